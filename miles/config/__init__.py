@@ -1,0 +1,1 @@
+"""The argument schema of every miles job. Never imports torch or Ray."""

@@ -1,0 +1,62 @@
+"""Helpers shared by the catalogue modules (torch-free)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from miles.config.flags import (
+    DOTTED,
+    ENUM,
+    FLOAT,
+    INT,
+    INT_LIST,
+    INT_RANGE,
+    JSON,
+    NAMED_PATHS,
+    PATH,
+    STR,
+    STR_LIST,
+    Flag,
+)
+
+# Job scopes used by `Flag.jobs` (None = every job).
+DMD2_ONLY = frozenset({"dmd2"})
+SFT_ONLY = frozenset({"sft"})
+NFT_JOBS = frozenset({"rl", "replay"})
+
+_METAVARS = {
+    INT: "INT",
+    FLOAT: "FLOAT",
+    STR: "TEXT",
+    PATH: "PATH",
+    DOTTED: "pkg.module.fn",
+    JSON: "JSON",
+    INT_RANGE: "lo,hi",
+    INT_LIST: "1,2,3",
+    STR_LIST: "a,b",
+    NAMED_PATHS: "NAME PATH",
+}
+
+
+def default_metavar(kind: str, choices: tuple[str, ...] | None) -> str | None:
+    """The metavar shown in --help when a flag does not name one."""
+    if kind == ENUM and choices:
+        return "[" + "|".join(choices) + "]"
+    if kind == STR_LIST and choices:
+        return "[" + "|".join(choices) + "],..."
+    return _METAVARS.get(kind)
+
+
+def flag_maker(group: str) -> Callable[..., Flag]:
+    """Return `make(name, kind, default=None, text="", **kwargs) -> Flag` bound to one help panel.
+
+    It fills in `group` and, when none is given, a metavar derived from the kind.
+    """
+
+    def make(name: str, kind: str, default: Any = None, text: str = "", **kwargs: Any) -> Flag:
+        if "metavar" not in kwargs:
+            kwargs["metavar"] = default_metavar(kind, kwargs.get("choices"))
+        return Flag(name=name, kind=kind, default=default, help=text, group=group, **kwargs)
+
+    return make

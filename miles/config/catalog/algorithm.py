@@ -1,0 +1,114 @@
+"""Algorithm and loss: Flow-GRPO, DiffusionNFT, SFT, custom losses, advantages, reference/KL."""
+
+from __future__ import annotations
+
+from miles.config.catalog._common import NFT_JOBS, flag_maker
+from miles.config.flags import BOOL, DOTTED, ENUM, FLOAT, Flag
+
+GROUP = "Algorithm and loss"
+_f = flag_maker(GROUP)
+
+LOSS_TYPES = ("policy_loss", "nft", "sft_loss", "custom_loss", "dmd2", "dmd2_critic")
+
+FLAGS: list[Flag] = [
+    _f(
+        "loss-type",
+        ENUM,
+        None,
+        "Training objective. Default (auto): policy_loss for train rl, sft_loss for train sft, dmd2 for train dmd2.",
+        choices=LOSS_TYPES,
+        meta={"default_text": "auto"},
+    ),
+    _f("advantage-estimator", ENUM, "grpo", "Advantage estimator; grpo is the only value.", choices=("grpo",)),
+    _f(
+        "disable-grpo-std-normalization",
+        BOOL,
+        False,
+        "Do not divide advantages by the reward std (Dr.GRPO); always off with one sample per prompt.",
+    ),
+    _f(
+        "globalize-reward-mean",
+        BOOL,
+        False,
+        "Subtract the batch-wide reward mean instead of the per-prompt mean.",
+    ),
+    _f(
+        "globalize-reward-std",
+        BOOL,
+        False,
+        "Divide by the batch-wide reward std instead of the per-group std.",
+    ),
+    # The clip range must be positive; `min` is inclusive, so 0 itself is left to validation.
+    _f("diffusion-clip-range", FLOAT, 1e-4, "PPO ratio clip range (positive).", min=0),
+    _f(
+        "diffusion-adv-clip-max",
+        FLOAT,
+        5.0,
+        "Clamp on the absolute advantage; under nft it also scales the advantage-to-r mapping.",
+        min=0,
+    ),
+    _f(
+        "diffusion-recompute-old-log-prob",
+        BOOL,
+        False,
+        "Recompute old log-probs with the trainer instead of using the engine's; policy_loss only.",
+    ),
+    _f(
+        "diffusion-kl-beta",
+        FLOAT,
+        0.0,
+        "Coefficient of the KL penalty to the reference model; > 0 adds a reference forward.",
+        min=0,
+    ),
+    _f(
+        "ref-mode",
+        ENUM,
+        None,
+        "Reference model. Default (auto): lora_base when --diffusion-kl-beta > 0, ema under nft, else none.",
+        choices=("none", "lora_base", "ema"),
+        meta={"default_text": "auto"},
+    ),
+    _f(
+        "custom-prepare-train-batch-path",
+        DOTTED,
+        None,
+        "Function building the DiT inputs of a micro-batch.",
+    ),
+    _f(
+        "custom-loss-function-path",
+        DOTTED,
+        None,
+        "Loss formula for --loss-type custom_loss; the DiT forward stays in the trainer.",
+    ),
+    _f(
+        "diffusion-nft-beta",
+        FLOAT,
+        1.0,
+        "NFT: strength of the implicit positive/negative policy shift.",
+        min=0,
+        jobs=NFT_JOBS,
+    ),
+    _f(
+        "diffusion-nft-timestep-fraction",
+        FLOAT,
+        0.99,
+        "NFT: fraction of the timestep range that training timesteps are drawn from.",
+        min=0,
+        max=1,
+        jobs=NFT_JOBS,
+    ),
+    _f(
+        "no-diffusion-nft-adaptive-weight",
+        BOOL,
+        False,
+        "NFT: turn off the adaptive per-sample loss weighting.",
+        jobs=NFT_JOBS,
+    ),
+    _f(
+        "no-diffusion-nft-shuffle-timesteps",
+        BOOL,
+        False,
+        "NFT: turn off shuffling of the training timesteps.",
+        jobs=NFT_JOBS,
+    ),
+]

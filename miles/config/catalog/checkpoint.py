@@ -1,0 +1,19 @@
+"""Checkpoint saving and resuming."""
+
+from __future__ import annotations
+
+from miles.config.catalog._common import flag_maker
+from miles.config.flags import BOOL, INT, PATH, Flag
+
+GROUP = "Checkpointing"
+_f = flag_maker(GROUP)
+
+FLAGS: list[Flag] = [
+    _f("save", PATH, None, "Directory to save checkpoints to."),
+    _f("save-interval", INT, None, "Save every N rollouts. Requires --save.", min=1),
+    _f("no-save-optim", BOOL, False, "Do not save optimizer state: smaller checkpoints, but no exact resume."),
+    _f("load", PATH, None, "Directory to resume from."),
+    _f("ckpt-step", INT, None, "Checkpoint step to load; default: latest_checkpointed_iteration.txt.", min=0),
+    _f("no-load-optim", BOOL, False, "Do not restore optimizer state when loading."),
+    _f("no-load-rng", BOOL, False, "Do not restore RNG state when loading."),
+]

@@ -1,0 +1,71 @@
+"""Cluster topology, colocation and offload."""
+
+from __future__ import annotations
+
+from miles.config.catalog._common import flag_maker
+from miles.config.flags import BOOL, INT, STR, TRISTATE, Flag
+
+GROUP = "Cluster"
+_f = flag_maker(GROUP)
+
+FLAGS: list[Flag] = [
+    _f("actor-num-nodes", INT, 1, "Number of nodes for the training actor.", min=1),
+    _f(
+        "actor-num-gpus-per-node",
+        INT,
+        8,
+        "GPUs per training node; the train world size is nodes times this.",
+        min=1,
+    ),
+    _f(
+        "rollout-num-gpus",
+        INT,
+        None,
+        "GPUs for rollout-side work; forced to the train world size under --colocate. For train-only SFT, "
+        "leave unset to share the training GPUs with the encoders, or set it to reserve encoder GPUs.",
+        min=1,
+    ),
+    _f(
+        "rollout-num-gpus-per-engine",
+        INT,
+        1,
+        "GPUs per rollout engine (its tensor x sequence parallel size).",
+        min=1,
+    ),
+    _f(
+        "num-gpus-per-node",
+        INT,
+        8,
+        "GPUs the job may use on each node; set it when a node has fewer than 8.",
+        min=1,
+    ),
+    _f(
+        "colocate",
+        BOOL,
+        False,
+        "Share GPUs between trainer and rollout; required, since CUDA IPC weight sync only supports colocation.",
+    ),
+    _f("offload", BOOL, False, "Shorthand for --offload-train plus --offload-rollout."),
+    _f(
+        "offload-train",
+        TRISTATE,
+        None,
+        "Offload training state while rollout runs; unset means on under --colocate, off otherwise.",
+        meta={"default_text": "auto"},
+    ),
+    _f(
+        "offload-rollout",
+        TRISTATE,
+        None,
+        "Offload the rollout engines while training runs; unset means on under --colocate, off otherwise.",
+        meta={"default_text": "auto"},
+    ),
+    _f("distributed-backend", STR, "nccl", "torch.distributed backend of the training process group."),
+    _f(
+        "distributed-timeout-minutes",
+        INT,
+        10,
+        "Timeout, in minutes, for collective operations of the training process group.",
+        min=1,
+    ),
+]

@@ -1,0 +1,73 @@
+"""`Resolution`: the working state while a job's arguments are layered, derived and checked."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, NoReturn
+
+from miles.config.args import CLI, DEFAULT, DERIVED, RECIPE, YAML, Args
+from miles.config.catalog import ALL_FLAGS, FLAGS_BY_DEST
+from miles.config.errors import ConfigError
+from miles.config.flags import Flag
+
+# Fields that are not flags but travel with the args.
+EXTRA_FIELDS: dict[str, Any] = {"custom": {}, "sglang_args": {}}
+
+_SOURCE_WORDS = {DEFAULT: "default", RECIPE: "from the recipe", CLI: "on the command line", YAML: "from the YAML"}
+
+
+class Resolution:
+    """Values and their sources while layering; the rules read and derive through it."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self.values: dict[str, Any] = {f.dest: copy.deepcopy(f.default) for f in ALL_FLAGS}
+        self.values.update(copy.deepcopy(EXTRA_FIELDS))
+        self.sources: dict[str, str] = dict.fromkeys(self.values, DEFAULT)
+        self.warnings: list[str] = []
+        # Raw per-role overrides, parsed: {role: {dest: value}}, with where each came from.
+        self.trainer_overrides: dict[str, dict[str, Any]] = {}
+        self.override_origins: dict[tuple[str, str], str] = {}
+
+    # ---- reading -------------------------------------------------------------------------
+    def __getitem__(self, dest: str) -> Any:
+        return self.values[dest]
+
+    def get(self, dest: str) -> Any:
+        return self.values[dest]
+
+    def source(self, dest: str) -> str:
+        return self.sources[dest]
+
+    def explicit(self, dest: str) -> bool:
+        """Set by the user: in the recipe, on the command line or in the YAML."""
+        return self.sources[dest] in (RECIPE, CLI, YAML)
+
+    def show(self, dest: str) -> str:
+        """'--rollout-batch-size 32 (recipe)': a flag, its value and its source, for messages."""
+        flag = FLAGS_BY_DEST.get(dest)
+        value = self.values[dest]
+        text = flag.format(value) if flag else str(value)
+        return f"{_option(dest)} {text} ({self.sources[dest]})"
+
+    # ---- writing -------------------------------------------------------------------------
+    def set(self, dest: str, value: Any, source: str) -> None:
+        self.values[dest] = value
+        self.sources[dest] = source
+
+    def derive(self, dest: str, value: Any) -> None:
+        self.set(dest, value, DERIVED)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def fail(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+    def to_args(self) -> Args:
+        return Args(self.values, self.sources, self.job, copy.deepcopy(self.trainer_overrides))
+
+
+def _option(dest: str) -> str:
+    flag: Flag | None = FLAGS_BY_DEST.get(dest)
+    return flag.option if flag else dest

@@ -1,0 +1,17 @@
+"""Parse-time rules over the resolved args, shared by every job (torch-free).
+
+Each rule is a function `rule(res, job)` that derives values or raises `ConfigError` with one line
+naming the flags, their values and where they came from. They run in the order listed here.
+"""
+
+from __future__ import annotations
+
+from miles.config.rules import algorithm, batch, data, misc, topology
+
+SHARED_RULES = (
+    *topology.RULES,
+    *batch.RULES,
+    *algorithm.RULES,
+    *data.RULES,
+    *misc.RULES,
+)

@@ -1,0 +1,83 @@
+"""Algorithm, reference model, EMA, sampler and DMD2 rules."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+from miles.config.resolution import Resolution
+
+if TYPE_CHECKING:
+    from miles.config.jobs import JobSpec
+
+STEP_STRATEGY_HUB = "miles.rollout.step_strategy_hub."
+
+
+def check_reference_and_ema(res: Resolution, job: JobSpec) -> None:
+    if not job.trains:
+        return
+    loss, ref = res["loss_type"], res["ref_mode"]
+    if res["diffusion_kl_beta"] > 0 and ref == "none":
+        res.fail(f"{res.show('diffusion_kl_beta')} needs a reference model, but {res.show('ref_mode')}")
+    if ref == "lora_base" and not res["use_lora"]:
+        res.fail(f"{res.show('ref_mode')} uses the LoRA base model as the reference: it requires --use-lora")
+    if ref == "ema" and not res["use_ema"]:
+        res.fail(f"{res.show('ref_mode')} (auto under --loss-type nft) requires --use-ema")
+    if res["ema_rollout_policy"] == "ema" and not res["use_ema"]:
+        res.fail(f"{res.show('ema_rollout_policy')} requires --use-ema")
+    if res["use_ema"] and ref != "ema" and res["ema_rollout_policy"] != "ema":
+        res.fail(
+            f"{res.show('use_ema')} keeps an EMA copy nobody reads: add --ref-mode ema or --ema-rollout-policy ema"
+        )
+    if res["diffusion_recompute_old_log_prob"] and loss != "policy_loss":
+        res.fail(f"{res.show('diffusion_recompute_old_log_prob')} applies to --loss-type policy_loss only, not {loss}")
+    if loss == "custom_loss" and res["custom_loss_function_path"] is None:
+        res.fail(f"{res.show('loss_type')} requires --custom-loss-function-path")
+
+
+def check_sampler(res: Resolution, job: JobSpec) -> None:
+    num_steps = res["diffusion_num_steps"]
+    if res["diffusion_num_sde_steps"] > num_steps:
+        res.fail(f"{res.show('diffusion_num_sde_steps')} exceeds {res.show('diffusion_num_steps')}")
+    window = res["diffusion_sde_window_range"]
+    if window is not None and (window[0] < 0 or window[1] > num_steps):
+        res.fail(f"{res.show('diffusion_sde_window_range')} must lie within [0, {num_steps}] (--diffusion-num-steps)")
+    candidates = res["diffusion_sde_candidate_steps"]
+    if candidates is not None:
+        bad = [c for c in candidates if not 0 <= c < num_steps]
+        if bad:
+            res.fail(f"{res.show('diffusion_sde_candidate_steps')}: steps {bad} are outside [0, {num_steps})")
+    strategy = res["diffusion_step_strategy_path"] or ""
+    if strategy.endswith(".epoch_global_random_choice") and candidates is None:
+        res.fail(f"{res.show('diffusion_step_strategy_path')} requires --diffusion-sde-candidate-steps")
+    if strategy.endswith(".sde_window"):
+        lo, hi = window if window is not None else (0, num_steps)
+        if res["diffusion_num_sde_steps"] > hi - lo:
+            res.fail(
+                f"{res.show('diffusion_num_sde_steps')} does not fit the SDE window [{lo}, {hi}) "
+                "(--diffusion-sde-window-range)"
+            )
+    if job.trains and job.generates and res["loss_type"] == "policy_loss":
+        if res["diffusion_sde_type"] == "ode":
+            res.fail(
+                f"--loss-type policy_loss trains on stochastic steps, but {res.show('diffusion_sde_type')} "
+                "samples none (use --loss-type nft for ODE rollouts)"
+            )
+        if res["diffusion_num_sde_steps"] == 0 and not strategy:
+            res.fail(
+                "--loss-type policy_loss needs trained SDE steps: set --diffusion-num-sde-steps N "
+                "or --diffusion-step-strategy-path (both are unset)"
+            )
+
+
+def check_dmd2(res: Resolution, job: JobSpec) -> None:
+    if job.name != "dmd2":
+        return
+    timesteps = res["dmd2_student_timesteps"]
+    if any(a <= b for a, b in pairwise(timesteps)):
+        res.fail(f"{res.show('dmd2_student_timesteps')} must be strictly decreasing (noise first)")
+    if res["dmd2_min_step_ratio"] >= res["dmd2_max_step_ratio"]:
+        res.fail(f"{res.show('dmd2_min_step_ratio')} must be below {res.show('dmd2_max_step_ratio')}")
+
+
+RULES = (check_reference_and_ema, check_sampler, check_dmd2)

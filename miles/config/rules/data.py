@@ -1,0 +1,106 @@
+"""Model, data, reward and evaluation rules."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles.config.resolution import Resolution
+
+if TYPE_CHECKING:
+    from miles.config.jobs import JobSpec
+
+
+def check_model(res: Resolution, job: JobSpec) -> None:
+    if res["hf_checkpoint"] is None:
+        res.fail(f"--hf-checkpoint is required by `miles {job.command}` (a diffusers pipeline: repo id or directory)")
+    if res["diffusion_model_family"] is not None and res["train_pipeline_config_path"] is not None:
+        res.fail(
+            f"{res.show('diffusion_model_family')} and {res.show('train_pipeline_config_path')} "
+            "are mutually exclusive: name a registered family or give your own TrainPipelineConfig"
+        )
+    family = _resolve_family_name(res, job)
+    if family == "wan2_2" and job.trains and res["diffusion_guidance_scale_2"] is None:
+        res.fail("--diffusion-guidance-scale-2 is required when training wan2_2 (the low-noise expert's CFG scale)")
+    if family == "ltx":
+        if res["diffusion_guidance_scale"] != 1.0:
+            res.fail(f"{res.show('diffusion_guidance_scale')}: the ltx family trains unguided (use 1.0)")
+        if res["diffusion_negative_prompt"] is not None:
+            res.fail(f"{res.show('diffusion_negative_prompt')}: the ltx family takes no negative prompt")
+
+
+def _resolve_family_name(res: Resolution, job: JobSpec) -> str | None:
+    """The model family, when the family registry is importable (it is torch-free)."""
+    try:
+        from miles.models.families import resolve_family
+    except ImportError:  # pragma: no cover - the registry ships with the package
+        return None
+    if res["train_pipeline_config_path"] is not None:
+        return None  # a user class: imported by the runtime, not at parse time
+    config = resolve_family(
+        res["hf_checkpoint"],
+        family=res["diffusion_model_family"],
+        config_path=None,
+    )
+    return config.name
+
+
+def check_prompt_data(res: Resolution, job: JobSpec) -> None:
+    if not job.needs_prompt_data or res["prompt_data"] is not None:
+        return
+    if res["data_source_path"] is not None or res["disable_rollout_global_dataset"]:
+        return
+    if res["load_debug_rollout_data"] is not None:
+        return
+    res.fail(f"--prompt-data is required by `miles {job.command}` (a JSONL file, one prompt per line)")
+
+
+def check_reward(res: Resolution, job: JobSpec) -> None:
+    rm = res["rm_type"]
+    if rm == "remote_rm":
+        res.fail(
+            f"{res.show('rm_type')} is not implemented by rm_hub: use --custom-rm-path and read args.rm_url there"
+        )
+    if rm == "pickscore":
+        missing = [
+            opt
+            for opt, dest in (
+                ("--pickscore-model-path", "pickscore_model_path"),
+                ("--pickscore-processor-path", "pickscore_processor_path"),
+            )
+            if res[dest] is None
+        ]
+        if missing:
+            res.fail(f"{res.show('rm_type')} requires {' and '.join(missing)}")
+    skipped = res["train_only"] or res["load_debug_rollout_data"] is not None
+    if job.scores and not skipped and rm is None and res["custom_rm_path"] is None:
+        res.fail(f"`miles {job.command}` scores samples: set --rm-type or --custom-rm-path")
+
+
+def check_eval(res: Resolution, job: JobSpec) -> None:
+    has_eval_data = bool(res["eval_prompt_data"]) or res["eval_config"] is not None
+    if res["eval_interval"] is not None and not has_eval_data:
+        res.fail(f"{res.show('eval_interval')} requires eval datasets: --eval-prompt-data NAME PATH or --eval-config")
+    if job.needs_eval_data and not has_eval_data:
+        res.fail(f"`miles {job.command}` needs eval datasets: --eval-prompt-data NAME PATH or --eval-config")
+
+
+def check_debug_modes(res: Resolution, job: JobSpec) -> None:
+    if res["train_only"] and res["debug_rollout_only"]:
+        res.fail(f"{res.show('train_only')} and {res.show('debug_rollout_only')} exclude each other")
+    if res["train_only"] and job.generates and res["load_debug_rollout_data"] is None:
+        res.fail(
+            f"{res.show('train_only')} starts no engines, so `miles {job.command}` needs --load-debug-rollout-data "
+            "(a saved rollout to train on)"
+        )
+    if res["load_debug_rollout_data_subsample"] is not None and res["load_debug_rollout_data"] is None:
+        res.fail(f"{res.show('load_debug_rollout_data_subsample')} requires --load-debug-rollout-data")
+
+
+def check_checkpointing(res: Resolution, job: JobSpec) -> None:
+    if res["save_interval"] is not None and res["save"] is None:
+        res.fail(f"{res.show('save_interval')} requires --save (where to write checkpoints)")
+    if res["ckpt_step"] is not None and res["load"] is None:
+        res.fail(f"{res.show('ckpt_step')} requires --load (which checkpoint directory to read)")
+
+
+RULES = (check_model, check_prompt_data, check_reward, check_eval, check_debug_modes, check_checkpointing)

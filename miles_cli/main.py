@@ -1,0 +1,226 @@
+"""The `miles` command tree: argv -> schema -> print the resolved per-trainer args -> dispatch.
+
+Nothing here imports torch or Ray; the runtime is imported only when a job really starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import typer
+
+from miles.config.errors import ConfigError, RuntimeUnavailable
+from miles_cli.options import META_PANEL, build_command, given_flags, normalize_argv, split_extras
+
+HELP = (
+    "Post-train diffusion models: Flow-GRPO and DiffusionNFT (train rl), flow-matching SFT (train sft), "
+    "DMD2 distillation (train dmd2), eval, rollout-only and replay. One schema of flags drives every job; "
+    "`miles recipes` lists the shipped recipes."
+)
+EPILOG = (
+    "Layering: defaults < --recipe < command-line flags < --custom-config-path YAML (the YAML wins, with a "
+    "warning). Unknown --sglang-KEY VALUE flags pass through to the sglang-diffusion engines."
+)
+_CONTEXT = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": ["-h", "--help"]}
+
+app = typer.Typer(name="miles", help=HELP, no_args_is_help=True, rich_markup_mode="rich", add_completion=True)
+train_app = typer.Typer(help="Train a model: rl (Flow-GRPO / DiffusionNFT), sft, dmd2.", no_args_is_help=True)
+app.add_typer(train_app, name="train", rich_help_panel="Jobs")
+
+
+def _kw(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def _ctx_param() -> inspect.Parameter:
+    return inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+
+
+def _meta_params(inspect_config: bool = False) -> list[inspect.Parameter]:
+    params = [
+        _kw(
+            "recipe",
+            Optional[str],  # noqa: UP045
+            typer.Option(
+                None, "--recipe", help="A shipped recipe name or a path to a recipe YAML.", rich_help_panel=META_PANEL
+            ),
+        ),
+        _kw(
+            "override",
+            Optional[list[str]],  # noqa: UP045
+            typer.Option(
+                None,
+                "--override",
+                metavar="ROLE.KEY=VALUE",
+                help="Per-trainer override, e.g. critic.lr=2e-6 (train dmd2). Repeatable.",
+                rich_help_panel=META_PANEL,
+            ),
+        ),
+        _kw(
+            "show_all",
+            bool,
+            typer.Option(
+                False,
+                "--all",
+                help="Print every resolved argument, not only non-defaults.",
+                rich_help_panel=META_PANEL,
+            ),
+        ),
+    ]
+    if inspect_config:
+        params += [
+            _kw(
+                "job",
+                Optional[str],  # noqa: UP045
+                typer.Option(
+                    None,
+                    "--job",
+                    help="rl, sft, dmd2, eval, rollout-only or replay. Default: the recipe's.",
+                    rich_help_panel=META_PANEL,
+                ),
+            ),
+            _kw(
+                "output_format",
+                str,
+                typer.Option("table", "--format", help="table, yaml or json.", rich_help_panel=META_PANEL),
+            ),
+        ]
+    return params
+
+
+def _resolve_from_cli(ctx: typer.Context, job: str | None, kwargs: dict[str, Any], replay_path: str | None = None):
+    from miles.config.resolve import resolve
+
+    sglang = split_extras(ctx.args)
+    return resolve(
+        job,
+        cli=given_flags(ctx, kwargs),
+        recipe=kwargs.get("recipe"),
+        overrides=kwargs.get("override") or (),
+        sglang=sglang,
+        replay_path=replay_path,
+    )
+
+
+def _run_job(job: str, ctx: typer.Context, kwargs: dict[str, Any], replay_path: str | None = None) -> None:
+    from miles_cli.render import print_trainer_tables, print_warnings
+
+    resolved = _resolve_from_cli(ctx, job, kwargs, replay_path)
+    print_warnings(resolved.warnings)
+    print_trainer_tables(resolved, show_all=kwargs.get("show_all", False))
+    from miles.runtime import dispatch
+
+    dispatch(resolved)
+
+
+def _job_command(job: str):
+    def body(ctx: typer.Context, **kwargs: Any) -> None:
+        _run_job(job, ctx, kwargs)
+
+    from miles.config.jobs import JOBS
+
+    body.__doc__ = JOBS[job].summary
+    return build_command(body, [_ctx_param()], _meta_params())
+
+
+for _job in ("rl", "sft", "dmd2"):
+    train_app.command(_job, context_settings=_CONTEXT)(_job_command(_job))
+app.command("eval", context_settings=_CONTEXT, rich_help_panel="Jobs")(_job_command("eval"))
+app.command("rollout-only", context_settings=_CONTEXT, rich_help_panel="Jobs")(_job_command("rollout-only"))
+
+
+def _replay_body(ctx: typer.Context, rollout: str, **kwargs: Any) -> None:
+    """Train on a saved rollout file (rollout_{id}.pt) with no engines started."""
+    _run_job("replay", ctx, kwargs, replay_path=rollout)
+
+
+app.command("replay", context_settings=_CONTEXT, rich_help_panel="Jobs")(
+    build_command(
+        _replay_body,
+        [
+            _ctx_param(),
+            inspect.Parameter(
+                "rollout",
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                annotation=str,
+                default=typer.Argument(..., metavar="ROLLOUT.pt", help="A rollout file written by a run."),
+            ),
+        ],
+        _meta_params(),
+    )
+)
+
+
+def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
+    """Print the resolved per-trainer args (flag, value, source) and exit."""
+    from miles_cli.render import print_inspect, print_warnings
+
+    fmt = kwargs.get("output_format", "table")
+    if fmt not in ("table", "yaml", "json"):
+        raise ConfigError(f"--format {fmt}: expected table, yaml or json")
+    resolved = _resolve_from_cli(ctx, kwargs.get("job"), kwargs)
+    print_warnings(resolved.warnings)
+    print_inspect(resolved, fmt, show_all=kwargs.get("show_all", False))
+
+
+app.command("inspect-config", context_settings=_CONTEXT, rich_help_panel="Config")(
+    build_command(_inspect_body, [_ctx_param()], _meta_params(inspect_config=True))
+)
+
+
+@app.command("recipes", rich_help_panel="Config")
+def recipes() -> None:
+    """List the shipped recipes, one line each: name, job, description."""
+    from miles_cli.render import print_recipes
+
+    print_recipes()
+
+
+def _add_sub_apps() -> None:
+    """`miles models ...` and `miles data ...` (the embedded default's builders)."""
+    import importlib
+
+    for name, module in (("models", "miles_cli.models_cmd"), ("data", "miles_cli.data_cmd")):
+        try:
+            sub = importlib.import_module(module).app
+        except ModuleNotFoundError:
+            continue
+        app.add_typer(sub, name=name, rich_help_panel="Embedded default")
+
+
+_add_sub_apps()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: one line per user mistake, exit 2 for usage errors, 3 when the runtime is missing."""
+    from typer._click import exceptions as click_exc
+
+    args = normalize_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        result = app(args, prog_name="miles", standalone_mode=False)
+    except ConfigError as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeUnavailable as exc:
+        print(f"miles: {exc}", file=sys.stderr)
+        return 3
+    except click_exc.UsageError as exc:
+        print(f"miles: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        return 2
+    except click_exc.Abort:
+        print("miles: aborted", file=sys.stderr)
+        return 130
+    except click_exc.Exit as exc:
+        return int(exc.exit_code or 0)
+    return int(result) if isinstance(result, int) else 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def entry() -> None:
+    sys.exit(main())

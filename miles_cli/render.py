@@ -1,0 +1,87 @@
+"""Printing resolved args: a rich table per trainer, YAML, JSON; and the recipe list."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING
+
+from miles.config.args import DEFAULT
+from miles.config.catalog import FLAGS_BY_DEST
+from miles.config.export import arg_order, to_json_dict, to_yaml_text
+
+if TYPE_CHECKING:
+    from miles.config.args import Args
+    from miles.config.resolve import ResolvedJob
+
+_SOURCE_STYLE = {"default": "dim", "recipe": "cyan", "cli": "green", "yaml": "magenta", "derived": "yellow"}
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 140)
+
+
+def print_warnings(warnings: list[str]) -> None:
+    for message in warnings:
+        print(f"miles: warning: {message}", file=sys.stderr)
+
+
+def _format_value(dest: str, value: object) -> str:
+    flag = FLAGS_BY_DEST.get(dest)
+    if flag is not None:
+        return flag.format(value)
+    return json.dumps(value, sort_keys=True) if value else "-"
+
+
+def _table(role: str, command: str, args: Args, show_all: bool):
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"{role} ({command})", title_justify="left", header_style="bold")
+    table.add_column("flag")
+    table.add_column("value", overflow="fold")
+    table.add_column("source")
+    values, sources = args.to_dict(), args.sources()
+    for dest in arg_order():
+        source = sources[dest]
+        if source == DEFAULT and not show_all:
+            continue
+        flag = FLAGS_BY_DEST.get(dest)
+        name = flag.option if flag is not None else dest
+        style = "bold red" if source.startswith("override:") else _SOURCE_STYLE.get(source, "")
+        table.add_row(name, Text(_format_value(dest, values[dest])), Text(source, style=style))
+    return table
+
+
+def print_trainer_tables(resolved: ResolvedJob, show_all: bool = False) -> None:
+    console = _console()
+    header = f"miles {resolved.spec.command}"
+    if resolved.recipe:
+        header += f" ({resolved.recipe})"
+    console.print(f"[bold]{header}[/bold]: trainers {', '.join(t.role for t in resolved.trainers)}")
+    for trainer in resolved.trainers:
+        console.print(_table(trainer.role, resolved.spec.command, resolved.trainer_args[trainer.role], show_all))
+
+
+def print_inspect(resolved: ResolvedJob, fmt: str, show_all: bool = False) -> None:
+    if fmt == "json":
+        print(json.dumps(to_json_dict(resolved.spec.name, resolved.trainer_args), indent=2))
+    elif fmt == "yaml":
+        sys.stdout.write(to_yaml_text(resolved.args))
+    else:
+        print_trainer_tables(resolved, show_all=show_all)
+
+
+def print_recipes() -> None:
+    from miles.config.layering import load_config_file
+    from miles.config.recipes import shipped_recipes
+
+    rows = []
+    for name, path in shipped_recipes().items():
+        cfg = load_config_file(path, f"recipe {name}")
+        rows.append((name, cfg.job or "-", cfg.description))
+    width = max((len(r[0]) for r in rows), default=0)
+    for name, job, description in rows:
+        print(f"{name:<{width}}  {job:<12}  {description}")
