@@ -196,6 +196,7 @@ _add_sub_apps()
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: one line per user mistake, exit 2 for usage errors, 3 when the runtime is missing."""
+    from typer import exceptions as typer_exc
     from typer._click import exceptions as click_exc
 
     args = normalize_argv(sys.argv[1:] if argv is None else argv)
@@ -207,13 +208,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeUnavailable as exc:
         print(f"miles: {exc}", file=sys.stderr)
         return 3
+    except click_exc.NoArgsIsHelpError as exc:
+        # Rich has already printed the help while the message was built; the message itself is empty.
+        message = exc.format_message().strip()
+        if message:
+            print(message, file=sys.stderr)
+        return 2
     except click_exc.UsageError as exc:
         print(f"miles: error: {_one_line(exc.format_message())}", file=sys.stderr)
         return 2
-    except click_exc.Abort:
+    except typer_exc.Abort:
         print("miles: aborted", file=sys.stderr)
         return 130
-    except click_exc.Exit as exc:
+    except typer_exc.Exit as exc:
         return int(exc.exit_code or 0)
     return int(result) if isinstance(result, int) else 0
 

@@ -8,6 +8,8 @@ from miles.config.args import DEFAULT, Args
 from miles.config.catalog import ALL_FLAGS
 
 _EXTRA_ORDER = ("custom", "sglang_args")
+# The YAML itself is what --custom-config-path will point at.
+_NOT_EXPORTED = frozenset({"custom_config_path"})
 
 
 def arg_order() -> list[str]:
@@ -33,7 +35,7 @@ def to_yaml_mapping(args: Args) -> dict[str, Any]:
     values, sources = args.to_dict(), args.sources()
     out: dict[str, Any] = {"job": args.job}
     for dest in arg_order():
-        if sources[dest] != DEFAULT:
+        if sources[dest] != DEFAULT and dest not in _NOT_EXPORTED:
             out[dest] = values[dest]
     if args.trainer_overrides:
         out["trainers"] = {role: dict(over) for role, over in args.trainer_overrides.items()}

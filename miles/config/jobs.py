@@ -46,7 +46,7 @@ class JobSpec:
                 f"{res.show('loss_type')} cannot be used with `miles {self.command}`: "
                 f"it takes --loss-type {' | '.join(self.allowed_loss_types)}"
             )
-        elif loss is not None and not self.trains and res.source("loss_type") != "recipe":
+        elif loss is not None and not self.trains and res.source("loss_type") == "cli":
             res.fail(f"{res.show('loss_type')} means nothing to `miles {self.command}`: it does not train")
 
         if self.force_train_only:

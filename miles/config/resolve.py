@@ -114,10 +114,14 @@ def _check_file_job(cfg: ConfigFile, spec: JobSpec) -> None:
 
 
 def _check_flags_fit_job(res: Resolution, spec: JobSpec) -> None:
-    """A flag the user typed (or put in the YAML) that this job does not use is an error naming both."""
+    """A flag typed on the command line that this job does not use is an error naming both.
+
+    Recipes and YAML files are shared between jobs (`miles eval` of a training recipe, or of the YAML
+    `inspect-config` wrote for it), so values they carry for another job are kept, unused.
+    """
     for dest, flag in FLAGS_BY_DEST.items():
         if flag.dest != dest or flag.jobs is None or spec.name in flag.jobs:
             continue
-        if res.source(dest) in (CLI, YAML):
+        if res.source(dest) == CLI:
             users = ", ".join(f"`miles {JOBS[j].command}`" for j in sorted(flag.jobs) if j in JOBS)
             raise ConfigError(f"{flag.option} is for {users}, not `miles {spec.command}`")

@@ -46,7 +46,10 @@ def check_sampler(res: Resolution, job: JobSpec) -> None:
     if candidates is not None:
         bad = [c for c in candidates if not 0 <= c < num_steps]
         if bad:
-            res.fail(f"{res.show('diffusion_sde_candidate_steps')}: steps {bad} are outside [0, {num_steps})")
+            res.fail(
+                f"{res.show('diffusion_sde_candidate_steps')}: steps {bad} are outside [0, {num_steps}) "
+                f"(--diffusion-num-steps {num_steps})"
+            )
     strategy = res["diffusion_step_strategy_path"] or ""
     if strategy.endswith(".epoch_global_random_choice") and candidates is None:
         res.fail(f"{res.show('diffusion_step_strategy_path')} requires --diffusion-sde-candidate-steps")

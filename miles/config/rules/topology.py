@@ -47,12 +47,12 @@ def check_colocate(res: Resolution, job: JobSpec) -> None:
             res.derive("rollout_num_gpus", world)
         elif res["rollout_num_gpus"] != world:
             res.fail(
-                f"{res.show('rollout_num_gpus')} contradicts --colocate, which forces it to the train world "
-                f"size {world} (= {res.show('actor_num_nodes')} x {res.show('actor_num_gpus_per_node')})"
+                f"{res.show('rollout_num_gpus')} contradicts {res.show('colocate')}, which forces it to the train "
+                f"world size {world} (= {res.show('actor_num_nodes')} x {res.show('actor_num_gpus_per_node')})"
             )
         for dest in ("offload_train", "offload_rollout"):
             if res[dest] is False:
-                res.fail(f"{res.show(dest)} contradicts --colocate, under which offload is always on")
+                res.fail(f"{res.show(dest)} contradicts {res.show('colocate')}, under which offload is always on")
             if res[dest] is None:
                 res.derive(dest, True)
     if res["offload"]:

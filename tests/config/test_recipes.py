@@ -1,0 +1,120 @@
+"""Every shipped recipe resolves under its own job and round-trips through the exported YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles.config.export import to_json_dict, to_yaml_mapping, to_yaml_text
+from miles.config.layering import load_config_file
+from miles.config.recipes import find_recipe, shipped_recipes
+from miles.config.resolve import ResolvedJob, resolve
+
+RECIPES = shipped_recipes()
+NAMES = sorted(RECIPES)
+EXPECTED = {
+    "sd3-ocr-grpo",
+    "sd3-pickscore-nft",
+    "sd35-4step",
+    "tiny-digits-4step",
+    "tiny-digits-grpo",
+    "tiny-digits-sft",
+}
+
+
+def trainers_json(resolved: ResolvedJob) -> dict[str, dict[str, Any]]:
+    """Per-trainer values, all roles, without `custom_config_path`.
+
+    The round trip points `--custom-config-path` at the exported file, so that one value differs
+    by design (the export leaves it out); every other value must survive.
+    """
+    trainers = to_json_dict(resolved.spec.name, resolved.trainer_args)["trainers"]
+    return {role: {k: v for k, v in values.items() if k != "custom_config_path"} for role, values in trainers.items()}
+
+
+def test_the_shipped_recipes() -> None:
+    assert set(RECIPES) >= EXPECTED
+    for name, path in RECIPES.items():
+        assert path.suffix == ".yaml"
+        assert find_recipe(name).path == path
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recipe_has_a_job_and_a_one_line_description(name: str) -> None:
+    cfg = load_config_file(RECIPES[name], f"recipe {name}")
+    assert cfg.job in ("rl", "sft", "dmd2", "eval", "rollout-only", "replay")
+    description = cfg.data.get("description")
+    assert isinstance(description, str)
+    assert description.strip()
+    assert "\n" not in description.strip()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recipe_resolves_under_its_own_job(name: str) -> None:
+    job = load_config_file(RECIPES[name]).job
+    resolved = resolve(job, recipe=name)
+    assert resolved.spec.name == job
+    assert resolved.recipe == f"recipe {name}"
+    assert resolve(None, recipe=name).spec.name == job
+    # The batch-knob invariant holds for every recipe that generates or trains.
+    args = resolved.args
+    if args.rollout_batch_size is not None:
+        assert (
+            args.rollout_batch_size * args.n_samples_per_prompt == args.global_batch_size * args.num_steps_per_rollout
+        )
+
+
+def test_sd35_4step_has_a_critic_then_the_actor() -> None:
+    resolved = resolve("dmd2", recipe="sd35-4step")
+    assert [trainer.role for trainer in resolved.trainers] == ["critic", "actor"]
+    critic, actor = resolved.trainer_args["critic"], resolved.trainer_args["actor"]
+    differing = {dest for dest in critic if getattr(critic, dest) != getattr(actor, dest)}
+    assert {"loss_type", "use_lora", "lora_ipc_weight_sync", "save"} <= differing
+    for dest in differing:
+        assert critic.source_of(dest) == "override:critic", dest
+    overridden = {dest for dest, source in critic.sources().items() if source == "override:critic"}
+    assert overridden == differing
+    assert (critic.loss_type, actor.loss_type) == ("dmd2_critic", "dmd2")
+    assert (critic.use_lora, actor.use_lora) == (False, True)
+    assert critic.save == "/root/checkpoints/sd35-4step/critic"
+    assert not any(source.startswith("override:") for source in actor.sources().values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_yaml_round_trip(name: str, tmp_path: Path) -> None:
+    resolved = resolve(None, recipe=name)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(to_yaml_text(resolved.args))
+
+    again = resolve(None, cli={"custom_config_path": str(path)})
+
+    assert again.spec.name == resolved.spec.name
+    assert [t.role for t in again.trainers] == [t.role for t in resolved.trainers]
+    assert trainers_json(again) == trainers_json(resolved)
+    assert again.warnings == []
+    # Everything the recipe set is now set by the YAML.
+    for dest, source in resolved.args.sources().items():
+        if source not in ("default", "derived"):
+            assert again.args.source_of(dest) == "yaml", dest
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_yaml_mapping_leaves_defaults_and_the_config_path_out(name: str) -> None:
+    resolved = resolve(None, recipe=name)
+    mapping = to_yaml_mapping(resolved.args)
+    assert mapping["job"] == resolved.spec.name
+    sources = resolved.args.sources()
+    for key in mapping:
+        if key not in ("job", "trainers"):
+            assert sources[key] != "default", key
+    assert "custom_config_path" not in mapping
+
+
+def test_yaml_round_trip_of_eval_with_a_training_recipe(tmp_path: Path) -> None:
+    resolved = resolve("eval", recipe="tiny-digits-grpo")
+    path = tmp_path / "eval.yaml"
+    path.write_text(to_yaml_text(resolved.args))
+    again = resolve(None, cli={"custom_config_path": str(path)})
+    assert trainers_json(again) == trainers_json(resolved)
