@@ -40,6 +40,7 @@ def _resolve_family_name(res: Resolution, job: JobSpec) -> str | None:
         res["hf_checkpoint"],
         family=res["diffusion_model_family"],
         config_path=None,
+        require_trainable=job.trains,
     )
     return config.name
 

@@ -1,0 +1,55 @@
+"""`ensure_checkpoint(name_or_path)`: map built-in model names to their local checkpoint, building
+it on first use; pass everything else through (a local path or an HF repo id).
+
+Torch-free at import. The build runs under a file lock (`$MILES_HOME/models/.<name>.lock`), into a
+temp sibling that is renamed into place, so concurrent callers wait for one build and an
+interrupted build never leaves a half checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from miles.config.errors import ConfigError
+from miles.models.tiny_sd3.metadata import METADATA_FILE, TINY_SD3_NAME
+from miles.utils.paths import file_lock, models_dir
+
+BUILTIN_MODELS = (TINY_SD3_NAME,)
+
+
+def is_builtin_model(name: str | os.PathLike) -> bool:
+    return str(name) in BUILTIN_MODELS
+
+
+def builtin_checkpoint_dir(name: str) -> Path:
+    """Where the built-in model `name` lives: `$MILES_HOME/models/<name>`."""
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
+    return models_dir() / name
+
+
+def is_complete(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file() and (path / "model_index.json").is_file()
+
+
+def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, seed: int = 0) -> Path:
+    """`tiny-sd3` -> `$MILES_HOME/models/tiny-sd3` (built on first use, seeded); else `Path(name_or_path)`."""
+    name = str(name_or_path)
+    if not is_builtin_model(name):
+        return Path(name).expanduser() if name.startswith("~") else Path(name)
+    target = builtin_checkpoint_dir(name)
+    if is_complete(target):
+        return target
+    with file_lock(target.parent / f".{name}.lock"):
+        if is_complete(target):  # another process built it while we waited
+            return target
+        if target.exists():
+            raise ConfigError(
+                f"{target} exists but is not a complete {name} checkpoint; remove it and retry "
+                f"(or run `miles models build {name} --force`)"
+            )
+        from miles.models.tiny_sd3.builder import build_tiny_sd3
+
+        build_tiny_sd3(target, seed=seed, progress=progress)
+    return target

@@ -1,0 +1,89 @@
+"""Families registered for name resolution and validation, without a training path in miles yet.
+
+Selecting one is a clear ConfigError at validation time (see `TrainPipelineConfig.check_trainable`).
+Their attributes record what the public miles-diffusion docs say about each family, so a later
+implementation starts from them.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from miles.models.families import register_train_pipeline_config
+from miles.models.pipeline_config import TrainPipelineConfig
+
+_ATTN = ("to_q", "to_k", "to_v", "to_out.0")
+_ADD_ATTN = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+@register_train_pipeline_config("wan2_2")
+class Wan22TrainPipelineConfig(TrainPipelineConfig):
+    description = "Wan2.2 text-to-video (two experts: transformer for high noise, transformer_2 for low noise)"
+    hf_ckpt_name_patterns = ("wan2.2", "wan2_2", "wan2-2", "wan22")
+    pipeline_class = "diffusers.WanPipeline"
+    transformer_class = "diffusers.WanTransformer3DModel"
+    lora_target_modules = _ATTN
+    condition_inputs = ("encoder_hidden_states",)
+    weight_sync_targets = ("transformer", "transformer_2")
+    cfg_batching = False
+    trainable = False
+    not_trainable_reason = "expert routing and video rollouts are not implemented"
+
+
+@register_train_pipeline_config("qwen_image")
+class QwenImageTrainPipelineConfig(TrainPipelineConfig):
+    description = "Qwen-Image text-to-image (MM-DiT, Qwen2.5-VL text encoder)"
+    hf_ckpt_name_patterns = ("qwen-image", "qwen_image", "qwenimage")
+    pipeline_class = "diffusers.QwenImagePipeline"
+    transformer_class = "diffusers.QwenImageTransformer2DModel"
+    lora_target_modules = (
+        *_ATTN,
+        *_ADD_ATTN,
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
+    )
+    condition_inputs = ("encoder_hidden_states", "encoder_hidden_states_mask")
+    timestep_input_scale = 1.0 / 1000.0
+    cfg_batching = False
+    trainable = False
+    not_trainable_reason = "its RoPE/packed-latent condition handling is not implemented"
+
+    def cfg_combine(self, pos: Any, neg: Any, scale: float, true_cfg_scale: float | None = None) -> Any:
+        """neg + s(pos - neg); with true CFG > 1 the result is rescaled to pos's per-token norm."""
+        combined = neg + scale * (pos - neg)
+        if true_cfg_scale is not None and true_cfg_scale > 1:
+            combined = combined * (pos.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+        return combined
+
+
+@register_train_pipeline_config("ltx")
+class LTXTrainPipelineConfig(TrainPipelineConfig):
+    description = "LTX-2 text-to-video (audio-video DiT)"
+    hf_ckpt_name_patterns = ("ltx",)
+    pipeline_class = "diffusers.LTX2Pipeline"
+    transformer_class = "diffusers.LTX2VideoTransformer3DModel"
+    lora_target_modules = (*_ATTN, "net.0.proj", "net.2")
+    condition_inputs = ("encoder_hidden_states", "encoder_attention_mask")
+    supports_cfg_training = False
+    sde_timestep_divisor = 1000.0
+    optimizer_state_allowed_missing = ("audio",)
+    input_dtype_policy = MappingProxyType({"latents": "default", "cond": "default", "timestep": None})
+    trainable = False
+    not_trainable_reason = "its native audio-video modeling is not implemented"
+
+
+@register_train_pipeline_config("cosmos3")
+class Cosmos3TrainPipelineConfig(TrainPipelineConfig):
+    description = "Cosmos3 (Edge / Nano / Super) text-to-image, mixture-of-transformers"
+    hf_ckpt_name_patterns = ("cosmos",)
+    pipeline_class = "diffusers.Cosmos3OmniPipeline"
+    transformer_class = "diffusers.Cosmos3OmniTransformer"
+    lora_target_modules = _ADD_ATTN
+    condition_inputs = ("text_ids", "text_mask", "fps")
+    cfg_batching = False
+    input_dtype_policy = MappingProxyType({"latents": None, "cond": None, "timestep": "fp32"})
+    trainable = False
+    not_trainable_reason = "its packed single-sample forward is not implemented"

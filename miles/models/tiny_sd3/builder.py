@@ -1,0 +1,241 @@
+"""`build_tiny_sd3(out_dir, seed)`: the embedded default checkpoint, fully offline and seeded.
+
+The result is a normal diffusers StableDiffusion3Pipeline directory (three text encoders, so
+sglang-diffusion's native SD3 pipeline can serve it too), plus:
+    digit_classifier/       the digit reward's classifier (see miles.rollout.rm_hub.digit)
+    miles_tiny_sd3.json     metadata: max_sequence_length, resolution, VAE stats, accuracies, timings
+The directory appears atomically (built in a temp sibling, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.models.tiny_sd3 import components as C
+from miles.models.tiny_sd3.metadata import (
+    FORMAT_VERSION,
+    METADATA_FILE,
+    TINY_MAX_SEQUENCE_LENGTH,
+    TINY_SD3_NAME,
+)
+from miles.models.tiny_sd3.vae_fit import VAE_BATCH_SIZE, VAE_LR, VAE_STEPS
+
+PHASES = ("tokenizers", "text encoders", "transformer", "data", "vae fit", "vae stats", "classifier", "save")
+
+
+@dataclass
+class BuildReport:
+    out_dir: Path
+    seconds: float
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    classifier_test_accuracy: float = 0.0
+    vae_test_mse: float = 0.0
+    vae_recon_accuracy: float = 0.0
+    params: dict[str, int] = field(default_factory=dict)
+
+
+class _Progress:
+    """A rich progress bar over the phases (the VAE fit counts one unit per step), or nothing."""
+
+    def __init__(self, enabled: bool, vae_steps: int):
+        self.bar = None
+        self.task = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]tiny-sd3[/] {task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
+            )
+            self.task = self.bar.add_task("", total=len(PHASES) - 1 + vae_steps)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def describe(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task, n)
+
+
+def build_tiny_sd3(
+    out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
+) -> BuildReport:
+    """Build tiny-sd3 into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
+    from miles.utils.paths import atomic_directory
+
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+    with atomic_directory(out) as tmp:
+        report = _build_into(tmp, seed, progress, vae_steps)
+    report.out_dir = out
+    return report
+
+
+def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    @contextmanager
+    def phase(name: str, bar: _Progress, advance: bool = True) -> Iterator[None]:
+        bar.describe(name)
+        t0 = time.perf_counter()
+        yield
+        timings[name] = round(time.perf_counter() - t0, 3)
+        if advance:
+            bar.advance()
+
+    with _Progress(progress, vae_steps) as bar:
+        with phase("tokenizers", bar):
+            import torch
+
+            from miles.models.tiny_sd3.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+
+            clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+            ids = {
+                "clip_vocab_size": len(clip_tok),
+                "clip_bos_id": clip_tok.bos_token_id,
+                "clip_eos_id": clip_tok.eos_token_id,
+                "clip_pad_id": clip_tok.pad_token_id,
+                "t5_vocab_size": len(t5_tok),
+                "t5_pad_id": t5_tok.pad_token_id,
+                "t5_eos_id": t5_tok.eos_token_id,
+            }
+        with phase("text encoders", bar):
+            te1 = C.make_clip_text_encoder(seed, "text_encoder", ids)
+            te2 = C.make_clip_text_encoder(seed, "text_encoder_2", ids)
+            te3 = C.make_t5_encoder(seed, ids)
+        with phase("transformer", bar):
+            transformer = C.make_transformer(seed)
+        with phase("data", bar):
+            from miles.data.digits import load_digits_split
+            from miles.models.tiny_sd3 import vae_fit
+
+            split = load_digits_split()
+            train_images = vae_fit.digits_to_vae_input(split.train_x)
+            test_images = vae_fit.digits_to_vae_input(split.test_x)
+        with phase("vae fit", bar, advance=False):
+            vae = C.make_vae(seed)
+            on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
+            vae_fit.fit_vae(vae, train_images, steps=vae_steps, seed=seed, on_step=on_step)
+        with phase("vae stats", bar):
+            shift, scale = vae_fit.set_latent_normalization(vae, train_images)
+            recon = vae_fit.reconstruct(vae, test_images)
+            vae_mse = float(torch.nn.functional.mse_loss(recon, test_images))
+        with phase("classifier", bar):
+            from miles.rollout.rm_hub import digit
+
+            clf, clf_meta = digit.fit_digit_classifier()
+            recon_acc = float(
+                (clf.predict(digit.digits_to_features(digit.images_to_digits(recon, "-1,1"))) == split.test_y).mean()
+            )
+            clf_meta["vae_reconstruction_accuracy"] = recon_acc
+            digit.save_digit_classifier(clf, clf_meta, tmp / digit.CLASSIFIER_DIRNAME)
+        with phase("save", bar):
+            from diffusers import StableDiffusion3Pipeline
+
+            pipe = StableDiffusion3Pipeline(
+                transformer=transformer,
+                scheduler=C.make_scheduler(),
+                vae=vae,
+                text_encoder=te1,
+                tokenizer=clip_tok,
+                text_encoder_2=te2,
+                tokenizer_2=clip_tok,
+                text_encoder_3=te3,
+                tokenizer_3=t5_tok,
+            )
+            with _quiet_hf_progress():
+                pipe.save_pretrained(tmp)
+        params = {
+            "transformer": C.count_params(transformer),
+            "vae": C.count_params(vae),
+            "text_encoder": C.count_params(te1),
+            "text_encoder_2": C.count_params(te2),
+            "text_encoder_3": C.count_params(te3),
+        }
+        report = BuildReport(
+            out_dir=tmp,
+            seconds=round(time.perf_counter() - start, 3),
+            phase_seconds=timings,
+            classifier_test_accuracy=clf_meta["test_accuracy"],
+            vae_test_mse=vae_mse,
+            vae_recon_accuracy=recon_acc,
+            params=params,
+        )
+        _write_metadata(tmp, seed, vae_steps, shift, scale, report)
+        bar.describe("done")
+    return report
+
+
+@contextmanager
+def _quiet_hf_progress() -> Iterator[None]:
+    """Silence transformers' per-file 'Writing model shards' bars while saving."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: float, report: BuildReport) -> None:
+    import diffusers
+    import sklearn
+    import torch
+    import transformers
+
+    from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
+    from miles.models.tiny_sd3.tokenizers import CLIP_MAX_LENGTH
+
+    meta = {
+        "name": TINY_SD3_NAME,
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "resolution": C.IMAGE_SIZE,
+        "latent_size": C.LATENT_SIZE,
+        "latent_channels": C.LATENT_CHANNELS,
+        "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH,
+        "clip_max_length": CLIP_MAX_LENGTH,
+        "prompt_template": PROMPT_TEMPLATE,
+        "data": {"name": "digits", "split_seed": SPLIT_SEED},
+        "sglang_model_id": "stable-diffusion-3-medium-diffusers",
+        "vae": {
+            "shift_factor": shift,
+            "scaling_factor": scale,
+            "fit_steps": vae_steps,
+            "batch_size": VAE_BATCH_SIZE,
+            "lr": VAE_LR,
+            "test_mse": round(report.vae_test_mse, 6),
+            "test_reconstruction_accuracy": report.vae_recon_accuracy,
+        },
+        "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
+        "params": report.params,
+        "build_seconds": report.seconds,
+        "phase_seconds": report.phase_seconds,
+        "versions": {
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__,
+            "scikit-learn": sklearn.__version__,
+        },
+    }
+    (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,0 +1,128 @@
+"""The tiny-sd3 components at toy size, each initialised from its own seed.
+
+Sizes (SD3 layout, three text encoders so sglang-diffusion's native SD3 pipeline can serve it):
+  text_encoder / text_encoder_2: CLIPTextModelWithProjection, hidden 32, 2 layers, 4 heads,
+      projection 32, 77 positions (CLIP-L / CLIP-G stand-ins; ~40k params each)
+  text_encoder_3: T5EncoderModel, d_model 64 (= joint_attention_dim), 2 layers, 4 heads
+  transformer: SD3Transformer2DModel, 2 joint blocks, 4 heads x 16 = 64 wide, patch 2, 4 latent
+      channels, sample_size 8 (8x8 latents -> 16 image tokens)
+  vae: AutoencoderKL with 4 down/up blocks (16, 32, 32, 32) -> 8x spatial compression, 64x64 images
+  scheduler: FlowMatchEulerDiscreteScheduler(shift=1.0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CLIP_HIDDEN = 32
+CLIP_PROJECTION = 32
+JOINT_ATTENTION_DIM = 64  # >= CLIP_HIDDEN * 2, == T5 d_model
+POOLED_PROJECTION_DIM = 2 * CLIP_PROJECTION
+LATENT_CHANNELS = 4
+LATENT_SIZE = 8
+VAE_BLOCKS = (16, 32, 32, 32)
+IMAGE_SIZE = LATENT_SIZE * 2 ** (len(VAE_BLOCKS) - 1)
+
+# component -> offset added to the build seed, so each init is independent of the others' order
+SEED_OFFSETS = {"text_encoder": 1, "text_encoder_2": 2, "text_encoder_3": 3, "transformer": 4, "vae": 5}
+
+
+def _seeded(seed: int, name: str) -> None:
+    import torch
+
+    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
+
+
+def make_clip_text_encoder(seed: int, name: str, tok: dict[str, int]) -> Any:
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=tok["clip_vocab_size"],
+        hidden_size=CLIP_HIDDEN,
+        intermediate_size=2 * CLIP_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        projection_dim=CLIP_PROJECTION,
+        max_position_embeddings=77,
+        bos_token_id=tok["clip_bos_id"],
+        eos_token_id=tok["clip_eos_id"],
+        pad_token_id=tok["clip_pad_id"],
+        hidden_act="quick_gelu",
+    )
+    _seeded(seed, name)
+    return CLIPTextModelWithProjection(config).eval()
+
+
+def make_t5_encoder(seed: int, tok: dict[str, int]) -> Any:
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=tok["t5_vocab_size"],
+        d_model=JOINT_ATTENTION_DIM,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tok["t5_pad_id"],
+        eos_token_id=tok["t5_eos_id"],
+        decoder_start_token_id=tok["t5_pad_id"],
+        is_encoder_decoder=False,
+        use_cache=False,
+    )
+    _seeded(seed, "text_encoder_3")
+    return T5EncoderModel(config).eval()
+
+
+def make_transformer(seed: int) -> Any:
+    from diffusers import SD3Transformer2DModel
+
+    _seeded(seed, "transformer")
+    return SD3Transformer2DModel(
+        sample_size=LATENT_SIZE,
+        patch_size=2,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=JOINT_ATTENTION_DIM,
+        caption_projection_dim=64,
+        pooled_projection_dim=POOLED_PROJECTION_DIM,
+        pos_embed_max_size=16,
+    )
+
+
+def make_vae(seed: int) -> Any:
+    from diffusers import AutoencoderKL
+
+    _seeded(seed, "vae")
+    n = len(VAE_BLOCKS)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=VAE_BLOCKS,
+        layers_per_block=1,
+        latent_channels=LATENT_CHANNELS,
+        norm_num_groups=8,
+        sample_size=IMAGE_SIZE,
+        scaling_factor=1.0,
+        shift_factor=0.0,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
+
+
+def make_scheduler() -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+
+
+def count_params(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())

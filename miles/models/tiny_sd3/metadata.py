@@ -1,0 +1,57 @@
+"""tiny-sd3 facts that rollout and training must share, read from the checkpoint (torch-free).
+
+The builder writes `miles_tiny_sd3.json` into the checkpoint dir; `max_sequence_length(ckpt)` is
+the T5 prompt length every diffusers call (`pipe(..., max_sequence_length=...)`,
+`pipe.encode_prompt(...)`) and every trainer-side encode must use for this checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TINY_SD3_NAME = "tiny-sd3"
+METADATA_FILE = "miles_tiny_sd3.json"
+FORMAT_VERSION = 1
+TINY_MAX_SEQUENCE_LENGTH = 8  # T5 tokens; the digit prompts need 5 (with </s>)
+TINY_RESOLUTION = 64
+DIFFUSERS_SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's own default
+
+
+def _checkpoint_path(checkpoint: str | os.PathLike) -> Path:
+    if str(checkpoint) == TINY_SD3_NAME:
+        from miles.utils.paths import models_dir
+
+        return models_dir() / TINY_SD3_NAME
+    return Path(checkpoint).expanduser()
+
+
+def read_metadata(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
+    """The tiny-sd3 metadata of a checkpoint dir (or the name "tiny-sd3"), or None if it has none."""
+    path = _checkpoint_path(checkpoint) / METADATA_FILE
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+
+
+def is_tiny_sd3(checkpoint: str | os.PathLike) -> bool:
+    return str(checkpoint) == TINY_SD3_NAME or read_metadata(checkpoint) is not None
+
+
+def max_sequence_length(checkpoint: str | os.PathLike, default: int = DIFFUSERS_SD3_MAX_SEQUENCE_LENGTH) -> int:
+    """The T5 max_sequence_length to use with `checkpoint`: the stored one for tiny-sd3, else `default`."""
+    meta = read_metadata(checkpoint)
+    if meta is not None:
+        return int(meta["max_sequence_length"])
+    return TINY_MAX_SEQUENCE_LENGTH if str(checkpoint) == TINY_SD3_NAME else default
+
+
+def default_resolution(checkpoint: str | os.PathLike, default: int | None = None) -> int | None:
+    """The image side the checkpoint was built for (64 for tiny-sd3), else `default`."""
+    meta = read_metadata(checkpoint)
+    if meta is not None:
+        return int(meta["resolution"])
+    return TINY_RESOLUTION if str(checkpoint) == TINY_SD3_NAME else default

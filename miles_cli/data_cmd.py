@@ -1,0 +1,39 @@
+"""`miles data ...`: generate the built-in data sets. Torch-free at import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from miles.config.errors import ConfigError
+
+app = typer.Typer(help="Generate the built-in data sets (offline).", no_args_is_help=True)
+
+
+@app.callback()
+def _data() -> None:
+    """Generate the built-in data sets (offline)."""
+
+
+@app.command("digits")
+def digits(
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Directory to write into (default: $MILES_HOME/data/digits)."),
+    ] = None,
+) -> None:
+    """Write scikit-learn's digits as prompt JSONL (train/test) and a 64x64 image+caption SFT set."""
+    if out is None:
+        from miles.data.builtin import builtin_dataset_names, resolve_dataset
+
+        paths = {spec: resolve_dataset(spec) for spec in builtin_dataset_names() if spec.startswith("digits:")}
+    else:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out}: exists and is not a directory")
+        from miles.data.digits import write_digits_data
+
+        paths = {f"digits:{k}": v for k, v in write_digits_data(out.expanduser()).items()}
+    for spec, path in paths.items():
+        typer.echo(f"{spec:<16} {path}")

@@ -1,0 +1,68 @@
+"""`miles models ...`: build and inspect the embedded checkpoints. Torch-free at import."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from miles.config.errors import ConfigError
+
+app = typer.Typer(help="Build the embedded models (tiny-sd3) offline.", no_args_is_help=True)
+
+
+@app.callback()
+def _models() -> None:
+    """Build the embedded models offline."""
+
+
+@app.command("build")
+def build(
+    name: Annotated[str, typer.Argument(help="Model to build; only 'tiny-sd3' for now.")],
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Directory to build into (default: $MILES_HOME/models/NAME)."),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of every initialisation and of the VAE fit.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even if the checkpoint exists.")] = False,
+) -> None:
+    """Build NAME offline and deterministically; print the build time and the classifier accuracy."""
+    from miles.models.checkpoints import BUILTIN_MODELS, builtin_checkpoint_dir, is_complete
+    from miles.models.tiny_sd3.metadata import read_metadata
+
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(f"models build: unknown model {name!r}; buildable models: {', '.join(BUILTIN_MODELS)}")
+    target = out.expanduser() if out is not None else builtin_checkpoint_dir(name)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        complete = is_complete(target)
+        where = f"--out {target}" if out is not None else f"{target} (the default location)"
+        if not force:
+            meta = read_metadata(target) if complete else None
+            if meta is not None and out is None:
+                typer.echo(
+                    f"{name} is already built at {target} (seed {meta['seed']}, classifier test accuracy "
+                    f"{meta['digit_classifier']['test_accuracy']:.4f}); pass --force to rebuild"
+                )
+                return
+            state = f"already holds a {name} checkpoint" if complete else "exists and is not empty"
+            raise ConfigError(f"{where}: {state}; pass --force to replace it")
+        if out is not None and not complete:
+            raise ConfigError(f"{where}: --force only replaces a {name} checkpoint, and this is not one")
+        shutil.rmtree(target)
+    from miles.models.tiny_sd3.builder import build_tiny_sd3
+    from miles.utils.paths import file_lock
+
+    if out is None:  # the shared location: serialize with ensure_checkpoint's builds
+        with file_lock(target.parent / f".{name}.lock"):
+            report = build_tiny_sd3(target, seed=seed, progress=True)
+    else:
+        report = build_tiny_sd3(target, seed=seed, progress=True)
+    phases = ", ".join(f"{k} {v:.1f}s" for k, v in report.phase_seconds.items())
+    typer.echo(f"built {name} at {report.out_dir} in {report.seconds:.1f}s ({phases})")
+    typer.echo(f"digit classifier test accuracy: {report.classifier_test_accuracy:.4f}")
+    typer.echo(
+        f"vae test mse: {report.vae_test_mse:.5f}; classifier accuracy on vae reconstructions: "
+        f"{report.vae_recon_accuracy:.4f}"
+    )

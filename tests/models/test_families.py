@@ -1,0 +1,214 @@
+"""Model-family registry and resolution (torch-free)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from miles.config.errors import ConfigError
+from miles.models.families import (
+    FAMILY_ENV,
+    family_from_checkpoint_name,
+    registered_families,
+    resolve_family,
+    trainable_families,
+)
+from miles.models.pipeline_config import TrainPipelineConfig
+from miles.models.sd3 import SD3_LORA_TARGET_MODULES, SD3TrainPipelineConfig
+
+
+def test_registered_keys():
+    assert set(registered_families()) == {"sd3", "wan2_2", "qwen_image", "ltx", "cosmos3"}
+    assert trainable_families() == ("sd3",)
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("stabilityai/stable-diffusion-3.5-medium", "sd3"),
+        ("stabilityai/stable-diffusion-3-medium-diffusers", "sd3"),
+        ("stabilityai/stable-diffusion-3.5-large", "sd3"),
+        ("tiny-sd3", "sd3"),
+        ("/home/me/.cache/miles/models/tiny-sd3/", "sd3"),
+        ("/ckpts/sd3/checkpoint-500", "sd3"),
+        ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan2_2"),
+        ("my/wan2_2-finetune", "wan2_2"),
+        ("Qwen/Qwen-Image", "qwen_image"),
+        ("Lightricks/LTX-2", "ltx"),
+        ("nvidia/Cosmos3-Nano", "cosmos3"),
+    ],
+)
+def test_name_patterns(name, key):
+    assert family_from_checkpoint_name(name) == key
+    assert resolve_family(name, env={}, require_trainable=False).name == key
+
+
+def test_last_path_component_wins_over_parents():
+    assert family_from_checkpoint_name("/data/ltx-runs/stable-diffusion-3.5-medium") == "sd3"
+
+
+def test_local_dir_without_hint_uses_model_index(tmp_path):
+    ckpt = tmp_path / "my-finetune"
+    ckpt.mkdir()
+    (ckpt / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    assert resolve_family(str(ckpt), env={}).name == "sd3"
+    (ckpt / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    with pytest.raises(ConfigError, match="no model family matches"):
+        resolve_family(str(ckpt), env={})
+
+
+def test_sd3_family_contents():
+    cfg = resolve_family("stabilityai/stable-diffusion-3.5-medium", env={})
+    assert isinstance(cfg, SD3TrainPipelineConfig)
+    assert cfg.pipeline_class == "diffusers.StableDiffusion3Pipeline"
+    assert cfg.transformer_class == "diffusers.SD3Transformer2DModel"
+    assert cfg.condition_inputs == ("encoder_hidden_states", "pooled_projections")
+    assert cfg.weight_sync_targets == ("transformer",)
+    assert set(SD3_LORA_TARGET_MODULES) == {
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+    }
+    assert cfg.cfg_combine(3.0, 1.0, 4.0) == 9.0  # neg + s * (pos - neg)
+    assert cfg.prepare_cond_kwargs({"encoder_hidden_states": 1, "pooled_projections": 2, "x": 3}) == {
+        "encoder_hidden_states": 1,
+        "pooled_projections": 2,
+    }
+    with pytest.raises(KeyError, match="pooled_projections"):
+        cfg.prepare_cond_kwargs({"encoder_hidden_states": 1})
+
+
+def test_registered_classes_exist_in_diffusers():
+    import diffusers
+
+    names = set(dir(diffusers))  # the lazy module lists its names without importing them
+    for key in registered_families():
+        cfg = resolve_family(None, family=key, require_trainable=False)
+        for dotted in (cfg.pipeline_class, cfg.transformer_class):
+            module, _, attr = dotted.rpartition(".")
+            assert module == "diffusers" and attr in names, (key, dotted)
+
+
+def test_flag_beats_env_beats_name(monkeypatch):
+    env = {FAMILY_ENV: "sd3"}
+    # name alone
+    assert resolve_family("Qwen/Qwen-Image", env={}, require_trainable=False).name == "qwen_image"
+    # env beats the name
+    assert resolve_family("Qwen/Qwen-Image", env=env).name == "sd3"
+    # the flag beats the env
+    assert resolve_family("tiny-sd3", family="ltx", env=env, require_trainable=False).name == "ltx"
+    # env defaults to os.environ
+    monkeypatch.setenv(FAMILY_ENV, "sd3")
+    assert resolve_family("local/weights-without-hint").name == "sd3"
+    monkeypatch.setenv(FAMILY_ENV, "")
+    with pytest.raises(ConfigError):
+        resolve_family("local/weights-without-hint")
+
+
+def test_family_keys_are_normalized():
+    assert resolve_family(None, family="SD3").name == "sd3"
+    assert resolve_family(None, family="Qwen-Image", require_trainable=False).name == "qwen_image"
+    assert resolve_family(None, family="wan2.2", require_trainable=False).name == "wan2_2"
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_miles_family.py").write_text(
+        textwrap.dedent(
+            """
+            from miles.models.sd3 import SD3TrainPipelineConfig
+
+            class MyConfig(SD3TrainPipelineConfig):
+                name = "mine"
+                lora_target_modules = ("attn.to_q", "attn.to_v")
+
+            INSTANCE = MyConfig()
+            NOT_A_CONFIG = 42
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_miles_family"
+
+
+def test_user_class_by_dotted_path(user_module):
+    cfg = resolve_family("local/weights", config_path=f"{user_module}.MyConfig", env={})
+    assert type(cfg).__name__ == "MyConfig" and cfg.lora_target_modules == ("attn.to_q", "attn.to_v")
+    inst = resolve_family("local/weights", config_path=f"{user_module}.INSTANCE", env={})
+    assert isinstance(inst, TrainPipelineConfig) and inst.name == "mine"
+    # an explicit user class also beats the env var and the checkpoint name
+    cfg = resolve_family("Qwen/Qwen-Image", config_path=f"{user_module}.MyConfig", env={FAMILY_ENV: "ltx"})
+    assert cfg.name == "mine"
+
+
+def test_user_class_errors(user_module):
+    with pytest.raises(ConfigError, match=r"--train-pipeline-config-path .*expected a TrainPipelineConfig"):
+        resolve_family("x", config_path=f"{user_module}.NOT_A_CONFIG", env={})
+    with pytest.raises(ConfigError, match=r"--train-pipeline-config-path .*cannot import"):
+        resolve_family("x", config_path=f"{user_module}.Missing", env={})
+    with pytest.raises(ConfigError, match=r"cannot import"):
+        resolve_family("x", config_path="no_such_pkg_xyz.Config", env={})
+
+
+def test_unknown_family_suggests():
+    with pytest.raises(ConfigError) as info:
+        resolve_family("tiny-sd3", family="sd35", env={})
+    msg = str(info.value)
+    assert "--diffusion-model-family" in msg and "did you mean 'sd3'" in msg
+    assert "cosmos3, ltx, qwen_image, sd3, wan2_2" in msg
+    assert "\n" not in msg
+    with pytest.raises(ConfigError, match=r"env MILES_DIFFUSION_MODEL_FAMILY: unknown model family 'sdxl'"):
+        resolve_family("tiny-sd3", env={FAMILY_ENV: "sdxl"})
+
+
+def test_mutually_exclusive(user_module):
+    with pytest.raises(ConfigError, match="--diffusion-model-family and --train-pipeline-config-path"):
+        resolve_family("tiny-sd3", family="sd3", config_path=f"{user_module}.MyConfig", env={})
+
+
+def test_no_family_matches():
+    with pytest.raises(ConfigError, match=r"--hf-checkpoint 'org/mystery-model'.*--diffusion-model-family"):
+        resolve_family("org/mystery-model", env={})
+    with pytest.raises(ConfigError, match="no --hf-checkpoint"):
+        resolve_family(None, env={})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "where"),
+    [
+        ({"family": "wan2_2"}, "--diffusion-model-family wan2_2"),
+        ({"hf_checkpoint": "Qwen/Qwen-Image"}, "--hf-checkpoint 'Qwen/Qwen-Image'"),
+        ({"env": {FAMILY_ENV: "cosmos3"}}, "MILES_DIFFUSION_MODEL_FAMILY=cosmos3"),
+        ({"family": "ltx"}, "--diffusion-model-family ltx"),
+    ],
+)
+def test_untrainable_family_is_a_config_error(kwargs, where):
+    kwargs = {"hf_checkpoint": "x/y", "env": {}, **kwargs}
+    with pytest.raises(ConfigError, match="not trainable") as info:
+        resolve_family(**kwargs)
+    assert str(info.value).startswith(where)
+    assert "trainable families: sd3" in str(info.value)
+    assert resolve_family(**kwargs, require_trainable=False).trainable is False
+
+
+def test_torch_free_imports():
+    code = (
+        "import sys\n"
+        "import miles.models.families as f, miles.models.checkpoints, miles.models.tiny_sd3 as t\n"
+        "import miles.data, miles_cli.models_cmd, miles_cli.data_cmd\n"
+        "assert f.resolve_family('tiny-sd3', env={}).name == 'sd3'\n"
+        "assert miles.data.is_builtin_dataset('digits:train')\n"
+        "assert t.max_sequence_length('tiny-sd3') == 8\n"
+        "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'sklearn', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
