@@ -8,6 +8,7 @@ in [0, 1000] as the scheduler gives it.
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Any
 
 from miles.models.families import register_train_pipeline_config
 from miles.models.pipeline_config import TrainPipelineConfig
@@ -37,3 +38,41 @@ class SD3TrainPipelineConfig(TrainPipelineConfig):
     supports_cfg_training = True
     cfg_batching = True
     input_dtype_policy = MappingProxyType({"latents": "default", "cond": "default", "timestep": None})
+
+    # ---- engine hooks: prompt encoding, latent geometry, decoding (imports torch only when called) ----
+    def encode_prompts(
+        self, pipe: Any, prompts: list[str], negative_prompt: str | None, do_cfg: bool, max_sequence_length: int
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Positive (and, under CFG, negative) condition dicts, batched over `prompts`."""
+        negative = [negative_prompt if negative_prompt is not None else " "] * len(prompts) if do_cfg else None
+        pos, neg, pooled, neg_pooled = pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=prompts,
+            prompt_3=prompts,
+            device=pipe._execution_device,
+            do_classifier_free_guidance=do_cfg,
+            negative_prompt=negative,
+            negative_prompt_2=negative,
+            negative_prompt_3=negative,
+            max_sequence_length=max_sequence_length,
+        )
+        positive = {"encoder_hidden_states": pos, "pooled_projections": pooled}
+        if not do_cfg:
+            return positive, None
+        return positive, {"encoder_hidden_states": neg, "pooled_projections": neg_pooled}
+
+    def latent_shape(self, pipe: Any, height: int, width: int) -> tuple[int, int, int]:
+        """(C, h, w) of one latent for an image of `height` x `width`."""
+        factor = pipe.vae_scale_factor
+        if height % factor or width % factor:
+            raise ValueError(
+                f"--diffusion-height/--diffusion-width must be multiples of {factor}, got {height}x{width}"
+            )
+        return (pipe.transformer.config.in_channels, height // factor, width // factor)
+
+    def decode_latents(self, pipe: Any, latents: Any) -> Any:
+        """Final latents [B, C, h, w] -> images [B, 3, H, W] in [0, 1], fp32 (the VAE's own shift/scale)."""
+        vae = pipe.vae
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)

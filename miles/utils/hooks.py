@@ -55,7 +55,8 @@ def load_object(path: str, flag: str) -> Any:
         try:
             obj = getattr(obj, attr)
         except AttributeError:
-            raise ConfigError(f"{flag} {text!r}: {walked!r} has no attribute {attr!r}") from None
+            what = "attribute or submodule" if hasattr(obj, "__path__") else "attribute"
+            raise ConfigError(f"{flag} {text!r}: {walked!r} has no {what} {attr!r}") from None
         walked = f"{walked}.{attr}"
     return obj
 

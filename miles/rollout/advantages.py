@@ -1,0 +1,132 @@
+"""Rewards to advantages: GRPO group normalization (and the flow_grpo per-prompt tracker, for parity checks).
+
+GRPO, as the reference `_post_process_rewards` computes it (samples in group order, groups contiguous):
+
+    R    = rewards.reshape(-1, n)                       n = --n-samples-per-prompt
+    A    = R - (R.mean() if --globalize-reward-mean else R.mean(dim=-1))
+    if std normalization (on unless --disable-grpo-std-normalization, and always off when n == 1):
+        A /= (R.std() if --globalize-reward-std else R.std(dim=-1)) + 1e-4      # torch unbiased std
+
+Samples flagged `remove_sample` still count: the filter masks the loss, not the statistics.
+`--custom-reward-post-process-path` replaces all of this with `post_process(args, samples) -> (raw, normalized)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from miles.rollout.types import Sample
+from miles.utils.hooks import load_function
+
+STD_EPS = 1e-4  # "+1e-4 matches flow_grpo"
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    n_samples_per_prompt: int,
+    *,
+    globalize_mean: bool = False,
+    globalize_std: bool = False,
+    std_normalization: bool = True,
+) -> torch.Tensor:
+    """GRPO advantages of a flat `[N]` reward tensor whose groups of `n_samples_per_prompt` are contiguous."""
+    n = int(n_samples_per_prompt)
+    if n < 1:
+        raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
+    rewards = torch.as_tensor(rewards)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be a 1-D tensor, got shape {tuple(rewards.shape)}")
+    if rewards.numel() % n != 0:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of n_samples_per_prompt={n}; "
+            "every prompt group must be complete"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.float32)
+    if rewards.numel() == 0:
+        return rewards.clone()
+    grouped = rewards.reshape(-1, n)
+    mean = grouped.mean() if globalize_mean else grouped.mean(dim=-1, keepdim=True)
+    advantages = grouped - mean
+    if std_normalization and n > 1:
+        std = grouped.std() if globalize_std else grouped.std(dim=-1, keepdim=True)
+        advantages = advantages / (std + STD_EPS)
+    return advantages.reshape(-1)
+
+
+def per_prompt_advantages(
+    prompts: Sequence[str], rewards: Sequence[float], *, global_std: bool = False
+) -> torch.Tensor:
+    """flow_grpo's `PerPromptStatTracker` (one epoch, no history): groups by prompt string, population std.
+
+    A_i = (r_i - mean over samples with prompt_i) / (std + 1e-4), with std the population std of the
+    whole batch (`global_std=True`) or of the prompt's rewards. Kept for parity checks against flow_grpo.
+    """
+    values = torch.as_tensor(list(rewards), dtype=torch.float64)
+    if len(prompts) != values.numel():
+        raise ValueError(f"{len(prompts)} prompts but {values.numel()} rewards")
+    out = torch.zeros_like(values)
+    batch_std = values.std(correction=0) if values.numel() else values.new_tensor(0.0)
+    for prompt in dict.fromkeys(prompts):
+        mask = torch.tensor([p == prompt for p in prompts])
+        group = values[mask]
+        std = batch_std if global_std else group.std(correction=0)
+        out[mask] = (group - group.mean()) / (std + STD_EPS)
+    return out
+
+
+def post_process_rewards(args: Any, samples: list[Sample]) -> tuple[list[float], list[float]]:
+    """Compute every sample's advantage (sets `sample.advantage`); returns `(raw_rewards, advantages)`.
+
+    The samples must be in group order (each run of `n_samples_per_prompt` shares one `group_index`).
+    """
+    hook_path = getattr(args, "custom_reward_post_process_path", None)
+    if hook_path:
+        hook = load_function(hook_path, "--custom-reward-post-process-path")
+        result = hook(args, samples)
+        try:
+            raw, normalized = result
+            raw, normalized = [float(r) for r in raw], [float(a) for a in normalized]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"--custom-reward-post-process-path {hook_path!r} must return (raw_rewards, normalized_rewards), "
+                f"two lists of numbers ({exc})"
+            ) from None
+        if len(raw) != len(samples) or len(normalized) != len(samples):
+            raise ValueError(
+                f"--custom-reward-post-process-path {hook_path!r} returned {len(raw)} raw and {len(normalized)} "
+                f"normalized rewards for {len(samples)} samples"
+            )
+    else:
+        n = int(getattr(args, "n_samples_per_prompt", None) or 1)
+        _check_groups(samples, n)
+        reward_key = getattr(args, "reward_key", None)
+        raw = [sample.scalar_reward(reward_key) for sample in samples]
+        normalized = grpo_advantages(
+            torch.tensor(raw, dtype=torch.float64),
+            n,
+            globalize_mean=bool(getattr(args, "globalize_reward_mean", False)),
+            globalize_std=bool(getattr(args, "globalize_reward_std", False)),
+            std_normalization=not getattr(args, "disable_grpo_std_normalization", False),
+        ).tolist()
+    for sample, advantage in zip(samples, normalized, strict=True):
+        sample.advantage = float(advantage)
+    return raw, normalized
+
+
+def _check_groups(samples: Sequence[Sample], n: int) -> None:
+    if len(samples) % n != 0:
+        raise ValueError(
+            f"{len(samples)} samples do not split into groups of n_samples_per_prompt={n}; "
+            "every prompt group must be complete"
+        )
+    for start in range(0, len(samples), n):
+        group = {sample.group_index for sample in samples[start : start + n]}
+        if len(group) != 1:
+            raise ValueError(
+                f"samples {start}..{start + n - 1} should form one prompt group but have group_index "
+                f"{sorted(group)}; keep each group's samples contiguous"
+            )

@@ -1,0 +1,216 @@
+"""The in-process diffusers engine: one pipeline, loaded from `--hf-checkpoint`, sampling trajectories.
+
+It runs on CPU or GPU, directly or as a Ray actor (`EngineActor`). A request is one microgroup: one
+prompt, encoded once, M samples with consecutive seeds. The denoising loop is the pipeline's own
+(same scheduler, same CFG, same transformer call) with the step replaced by `miles.rollout.sde.sde_step`
+on the steps the step strategy chose, so with noise level 0 it reproduces the plain pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from miles.models.checkpoints import ensure_checkpoint
+from miles.models.families import resolve_family
+from miles.models.tiny_sd3.metadata import max_sequence_length
+from miles.rollout.engines.base import GenerateRequest
+from miles.rollout.sde import scheduler_schedule, sde_step
+from miles.rollout.seeds import cpu_generator
+from miles.rollout.types import COMPLETED, Conditions, Sample, Trajectory
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DiffusersEngine:
+    """Samples denoising trajectories with exact per-step log-probs from a diffusers pipeline."""
+
+    def __init__(self, args: Any, device: str | None = None) -> None:
+        self.args = args
+        self.family = resolve_family(
+            args.hf_checkpoint,
+            family=args.diffusion_model_family,
+            config_path=args.train_pipeline_config_path,
+            require_trainable=False,
+        )
+        self.checkpoint = ensure_checkpoint(args.hf_checkpoint)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = DTYPES[args.diffusion_forward_dtype]
+        pipeline_cls = self.family.load_pipeline_class()
+        with quiet_loading():
+            self.pipe = pipeline_cls.from_pretrained(self.checkpoint, dtype=self.dtype)
+        if self.dtype != torch.float32:
+            self.pipe.vae.to(torch.float32)  # decode in fp32: rewards read the image
+        self.pipe.to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.max_sequence_length = max_sequence_length(self.checkpoint)
+        self.weight_version = 0
+
+    # ---- weights --------------------------------------------------------------------------------
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
+        """Load (a subset of) the transformer's weights; returns the number of tensors loaded."""
+        own = self.transformer.state_dict()
+        unknown = [k for k in state_dict if k not in own]
+        if unknown:
+            raise KeyError(f"engine transformer has no parameters {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+        self.weight_version = version if version is not None else self.weight_version + 1
+        return len(state_dict)
+
+    def transformer_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.transformer.state_dict().items()}
+
+    def health(self) -> bool:
+        return True
+
+    # ---- sampling -------------------------------------------------------------------------------
+    def _schedule(self, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        shift = self.args.diffusion_flow_shift
+        if shift is not None:
+            scheduler = type(scheduler).from_config(scheduler.config, shift=shift)
+        scheduler.set_timesteps(num_steps, device="cpu")
+        return scheduler_schedule(scheduler)
+
+    @torch.no_grad()
+    def generate(self, requests: list[GenerateRequest]) -> list[Sample]:
+        """Run each microgroup; return the completed samples in request order."""
+        out: list[Sample] = []
+        for request in requests:
+            out.extend(self._generate_microgroup(request))
+        return out
+
+    def _generate_microgroup(self, req: GenerateRequest) -> list[Sample]:
+        start = time.perf_counter()
+        family, pipe = self.family, self.pipe
+        m = len(req.seeds)
+        do_cfg = req.guidance_scale > 1.0
+        pos, neg = family.encode_prompts(pipe, [req.prompt], req.negative_prompt, do_cfg, self.max_sequence_length)
+        cond_batch = {k: v.expand(m, *v.shape[1:]) for k, v in pos.items()}
+        if do_cfg:
+            assert neg is not None
+            neg_batch = {k: v.expand(m, *v.shape[1:]) for k, v in neg.items()}
+            model_cond = {k: torch.cat([neg_batch[k], cond_batch[k]]) for k in cond_batch}
+        else:
+            model_cond = cond_batch
+
+        sigmas, timesteps = self._schedule(req.num_steps)
+        shape = family.latent_shape(pipe, req.height, req.width)
+        generators = [cpu_generator(seed) for seed in req.seeds]
+        x = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
+        record = not req.evaluation
+        latents = [x] if record else []
+        sde_sets = [set(steps) for steps in req.sde_steps]
+        log_probs: list[list[torch.Tensor]] = [[] for _ in range(m)]
+        sigma_max = sigmas[1] if sigmas.shape[0] > 1 else sigmas[0]
+
+        for i in range(req.num_steps):
+            model_in = torch.cat([x, x]) if do_cfg else x
+            t = timesteps[i].expand(model_in.shape[0]).to(self.device)
+            v = family.forward_velocity(pipe.transformer, model_in.to(self.device, self.dtype), t, model_cond)
+            v = v.float().cpu()
+            if do_cfg:
+                v_neg, v_pos = v.chunk(2)
+                v = family.cfg_combine(v_pos, v_neg, req.guidance_scale)
+            rows = [b for b in range(m) if i in sde_sets[b]] if req.noise_level > 0 and req.sde_type != "ode" else []
+            if len(rows) < m:
+                ode = sde_step(v, x, sigmas[i], sigmas[i + 1], sde_type="ode", noise_level=0.0)
+            if rows:
+                noise = torch.zeros_like(x)
+                for b in rows:
+                    noise[b] = torch.randn(shape, generator=generators[b], dtype=torch.float32)
+                res = sde_step(
+                    v,
+                    x,
+                    sigmas[i],
+                    sigmas[i + 1],
+                    sde_type=req.sde_type,
+                    noise_level=req.noise_level,
+                    sigma_max=sigma_max,
+                    noise=noise,
+                )
+                if len(rows) == m:
+                    x = res.prev_sample
+                else:
+                    mask = torch.zeros(m, dtype=torch.bool)
+                    mask[rows] = True
+                    x = torch.where(mask.view(-1, *([1] * len(shape))), res.prev_sample, ode.prev_sample)
+                assert res.log_prob is not None
+                for b in rows:
+                    log_probs[b].append(res.log_prob[b])
+            else:
+                x = ode.prev_sample
+            if record:
+                latents.append(x)  # every step makes a new tensor: no copy needed
+
+        images = family.decode_latents(pipe, x.to(self.device)).float().cpu()
+        elapsed = time.perf_counter() - start
+        samples: list[Sample] = []
+        stacked = torch.stack(latents, dim=1) if record else None
+        pos_rows = {k: v[0].detach().float().cpu() for k, v in pos.items()}
+        neg_rows = {k: v[0].detach().float().cpu() for k, v in neg.items()} if neg is not None else None
+        for b in range(m):
+            trajectory = None
+            if stacked is not None:
+                trajectory = Trajectory(
+                    latents=stacked[b],
+                    timesteps=timesteps.clone(),
+                    sigmas=sigmas.clone(),
+                    sde_step_indices=sorted(sde_sets[b]) if log_probs[b] else [],
+                    log_probs=torch.stack(log_probs[b]) if log_probs[b] else torch.zeros(0),
+                    sde_type=req.sde_type,
+                    noise_level=req.noise_level,
+                )
+            samples.append(
+                Sample(
+                    index=req.indices[b],
+                    group_index=req.group_index,
+                    prompt=req.prompt,
+                    metadata=copy.deepcopy(req.metadata),
+                    seed=req.seeds[b],
+                    trajectory=trajectory,
+                    conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, req.guidance_scale),
+                    image=images[b],
+                    status=COMPLETED,
+                    inference_time_s=elapsed / m,
+                )
+            )
+        return samples
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """No per-component progress bars or info logs while a pipeline loads."""
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    levels = (dlog.get_verbosity(), tlog.get_verbosity())
+    dlog.set_verbosity_error()
+    tlog.set_verbosity_error()
+    dlog.disable_progress_bar()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        dlog.set_verbosity(levels[0])
+        tlog.set_verbosity(levels[1])
+        dlog.enable_progress_bar()
+        tlog.enable_progress_bar()
+
+
+def engine_actor_class() -> Any:
+    """The engine as a Ray actor class (Ray is imported only here)."""
+    import ray
+
+    return ray.remote(DiffusersEngine)

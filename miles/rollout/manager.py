@@ -1,0 +1,185 @@
+"""The rollout manager: phases 1-2 of the loop (sample, score) for one rollout id.
+
+It owns the data source, the engines and the reward scorers. `generate(rollout_id)` draws
+`rollout_batch_size` prompt groups, splits every group into microgroups of at most
+`--rollout-microgroup-size` samples (one engine request each, seeds from the documented layout),
+spreads the requests over the engines, scores the samples, applies the filters and computes the
+GRPO advantages. It runs in-process or as a Ray actor (`manager_actor_class`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.rollout.data_source import load_data_source
+from miles.rollout.engines.base import GenerateRequest
+from miles.rollout.step_strategy_hub import resolve_step_strategy, select_steps
+from miles.rollout.types import Sample
+
+
+@dataclass
+class RolloutBatch:
+    rollout_id: int
+    samples: list[Sample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def build_requests(
+    args: Any, groups: list[list[Sample]], strategy: Any, evaluation: bool = False
+) -> list[GenerateRequest]:
+    """One request per microgroup, in batch order."""
+    size = max(1, int(args.rollout_microgroup_size))
+    num_steps = (
+        int(args.diffusion_eval_num_steps or args.diffusion_num_steps) if evaluation else int(args.diffusion_num_steps)
+    )
+    requests: list[GenerateRequest] = []
+    for group in groups:
+        for start in range(0, len(group), size):
+            micro = group[start : start + size]
+            if evaluation:
+                sde_steps: list[list[int]] = [[] for _ in micro]
+            else:
+                sde_steps = [select_steps(args, s, num_steps, s.seed, strategy)[0] for s in micro]
+            requests.append(
+                GenerateRequest(
+                    prompt=micro[0].prompt,
+                    metadata=micro[0].metadata,
+                    group_index=micro[0].group_index,
+                    indices=[s.index for s in micro],
+                    seeds=[s.seed for s in micro],
+                    sde_steps=sde_steps,
+                    num_steps=num_steps,
+                    guidance_scale=float(args.diffusion_guidance_scale),
+                    noise_level=0.0 if evaluation else float(args.diffusion_noise_level),
+                    sde_type="ode" if evaluation else args.diffusion_sde_type,
+                    height=int(args.diffusion_height),
+                    width=int(args.diffusion_width),
+                    negative_prompt=args.diffusion_negative_prompt,
+                    evaluation=evaluation,
+                )
+            )
+    return requests
+
+
+class RolloutManager:
+    def __init__(self, args: Any, engines: list[Any] | None = None, use_ray_engines: bool = False) -> None:
+        self.args = args
+        self.data_source = load_data_source(args)
+        self.strategy = resolve_step_strategy(args)
+        self.use_ray_engines = use_ray_engines
+        self.engines = engines if engines is not None else self._make_engines()
+
+    def _make_engines(self) -> list[Any]:
+        num = num_engines(self.args)
+        if not self.use_ray_engines:
+            from miles.rollout.engines.diffusers_engine import DiffusersEngine
+
+            return [DiffusersEngine(self.args) for _ in range(num)]
+        import ray
+
+        from miles.rollout.engines.diffusers_engine import engine_actor_class
+
+        gpus = self.args.rollout_num_gpus_per_engine if _cluster_has_gpus() else 0
+        actor = engine_actor_class().options(num_gpus=gpus, num_cpus=0)
+        engines = [actor.remote(self.args) for _ in range(num)]
+        ray.get([e.health.remote() for e in engines])  # surface load errors here, naming the engine
+        return engines
+
+    # ---- queries ---------------------------------------------------------------------------
+    def num_rollout(self) -> int:
+        return self.data_source.num_rollout()
+
+    def data_source_state(self) -> dict[str, Any]:
+        return self.data_source.state_dict()
+
+    def load_data_source_state(self, state: dict[str, Any]) -> None:
+        self.data_source.load_state_dict(state)
+
+    # ---- phases 1 and 2 --------------------------------------------------------------------
+    def run_requests(self, requests: list[GenerateRequest]) -> list[Sample]:
+        """Spread the requests over the engines (round robin) and gather the samples."""
+        shards: list[list[GenerateRequest]] = [[] for _ in self.engines]
+        for i, request in enumerate(requests):
+            shards[i % len(self.engines)].append(request)
+        if self.use_ray_engines:
+            import ray
+
+            futures = [
+                engine.generate.remote(shard) for engine, shard in zip(self.engines, shards, strict=True) if shard
+            ]
+            results = ray.get(futures)
+        else:
+            results = [engine.generate(shard) for engine, shard in zip(self.engines, shards, strict=True) if shard]
+        return [sample for result in results for sample in result]
+
+    def generate(self, rollout_id: int) -> RolloutBatch:
+        from miles.rollout.advantages import post_process_rewards
+        from miles.rollout.filter_hub import apply_dynamic_filter, apply_sample_filter
+        from miles.rollout.rm_hub.dispatch import score_samples
+
+        args = self.args
+        start = time.perf_counter()
+        groups = self.data_source.get_samples(int(args.rollout_batch_size))
+        requests = build_requests(args, groups, self.strategy)
+        by_index = {s.index: s for s in self.run_requests(requests)}
+        generated = time.perf_counter()
+        groups = [[_merge(s, by_index[s.index]) for s in group] for group in groups]
+        flat = [s for group in groups for s in group]
+        rewards = asyncio.run(score_samples(args, flat))
+        for sample, reward in zip(flat, rewards, strict=True):
+            sample.reward = reward
+        scored = time.perf_counter()
+
+        kept, dropped = apply_dynamic_filter(args, groups)
+        removed = apply_sample_filter(args, kept)
+        samples = [s for group in kept for s in group]
+        _, adv = post_process_rewards(args, samples) if samples else ([], [])
+        all_raw = [s.scalar_reward(args.reward_key) for s in flat]
+        metrics = {
+            "rollout/reward/raw_mean": statistics.fmean(all_raw),
+            "rollout/reward/raw_std": statistics.pstdev(all_raw) if len(all_raw) > 1 else 0.0,
+            "rollout/reward/raw_max": max(all_raw),
+            "rollout/reward/raw_min": min(all_raw),
+            "rollout/advantage/abs_mean": statistics.fmean(abs(a) for a in adv) if adv else 0.0,
+            "rollout/num_samples": float(len(samples)),
+            "rollout/dropped_groups": float(sum(dropped.values())),
+            "rollout/removed_samples": float(removed),
+            "perf/generate_time": generated - start,
+            "perf/reward_time": scored - generated,
+            "perf/rollout_time": time.perf_counter() - start,
+        }
+        log_probs = [lp for s in samples if s.trajectory is not None for lp in s.trajectory.log_probs.tolist()]
+        if log_probs:
+            metrics["rollout/log_prob_mean"] = statistics.fmean(log_probs)
+        return RolloutBatch(rollout_id=rollout_id, samples=samples, metrics=metrics)
+
+
+def _merge(planned: Sample, done: Sample) -> Sample:
+    """The engine's sample, with the data source's bookkeeping kept."""
+    done.index, done.group_index, done.metadata = planned.index, planned.group_index, planned.metadata
+    return done
+
+
+def num_engines(args: Any) -> int:
+    total = args.rollout_num_gpus
+    if total is None or not _cluster_has_gpus():
+        return 1  # a CPU machine runs one in-process engine
+    return max(1, total // args.rollout_num_gpus_per_engine)
+
+
+def _cluster_has_gpus() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return torch.cuda.is_available()
+
+
+def manager_actor_class() -> Any:
+    import ray
+
+    return ray.remote(RolloutManager)

@@ -1,0 +1,202 @@
+"""Step strategies: which denoising steps of a sample run stochastically (and become train pairs).
+
+Hook contract (`--diffusion-step-strategy-path`, miles_docs.md §7)::
+
+    def strategy(args, sample, num_steps, seed) -> tuple[list[int] | None, list[int] | None]
+
+returning `(sde_step_indices, return_step_indices)`:
+  - `sde_step_indices`: steps i in [0, num_steps) whose transition x_i -> x_{i+1} is sampled with the
+    SDE kernel (`--diffusion-sde-type`) and whose log-prob is recorded; every other step runs as an ODE
+    (Euler) step. None or [] means an all-ODE trajectory.
+  - `return_step_indices`: the latent indices in [0, num_steps] the trainer needs. The stock strategies
+    return `S ∪ (S+1)` (the inputs and outputs of the SDE steps); None means no preference (keep all).
+    The engine always keeps the final latent anyway, to decode the image.
+
+`args` is any object with the flags as attributes (a missing flag reads as its default). `seed` is the
+seed the engine passes (a sample's or a microgroup's seed, see `miles.rollout.seeds`): strategies that
+depend on it are reproducible per seed.
+
+Stock strategies (name them by their bare name or full dotted path):
+  - `sde_window`: a random contiguous window of `--diffusion-num-sde-steps` W steps inside
+    `--diffusion-sde-window-range lo,hi` (default: all steps); `start = default_rng(seed).integers(lo, hi-W+1)`.
+    This is Flow-GRPO-Fast's window, drawn per seed.
+  - `epoch_global_random_choice`: k = `--diffusion-num-sde-steps` of `--diffusion-sde-candidate-steps`
+    (required), drawn once per epoch (epoch = group_index // rollout_batch_size) with
+    `torch.Generator().manual_seed(epoch + rollout_seed)` so every sample of the epoch shares them; all
+    candidates when k == 0 or k >= len(candidates).
+  - `ode_and_return_last`: no SDE step, only the final latent returned (the NFT-style request).
+
+Default when `--diffusion-step-strategy-path` is unset (`default_steps`), our choice:
+  - `--diffusion-num-sde-steps N > 0`: `sde_window` with W = N. It honours `--diffusion-sde-window-range`
+    when set (the flag documents itself as the sde_window range); otherwise the window is drawn from
+    all steps, so N = num_steps makes every step an SDE step.
+  - N == 0 with `--diffusion-sde-type sde|cps` and a non-zero noise level: steps 0 .. T-2, i.e. plain
+    Flow-GRPO (its window W = 0 convention, algorithms.md B.8/D.7.2: 9 trained steps of 10). The last
+    step stays ODE: its std (about 0.006 at 10 steps) makes the density too sharp to train on.
+    (`train rl --loss-type policy_loss` rejects N == 0 without a strategy at parse time, so this case is
+    reached by rollout-only and eval jobs.)
+  - N == 0 with `--diffusion-sde-type ode` or `--diffusion-noise-level 0`: all steps ODE, `([], None)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+StepStrategy = Callable[[Any, Any, int, int], tuple[list[int] | None, list[int] | None]]
+
+STRATEGY_FLAG = "--diffusion-step-strategy-path"
+
+
+def return_indices(sde_steps: Iterable[int]) -> list[int]:
+    """The latent indices `S ∪ (S+1)` that the SDE steps `S` read and write, sorted."""
+    steps = set(sde_steps)
+    return sorted(steps | {i + 1 for i in steps})
+
+
+def _window_range(args: Any, num_steps: int) -> tuple[int, int]:
+    window_range = getattr(args, "diffusion_sde_window_range", None)
+    if window_range is None:
+        return 0, num_steps
+    if isinstance(window_range, str):
+        window_range = [int(p) for p in window_range.split(",")]
+    if len(window_range) != 2:
+        raise ValueError(f"--diffusion-sde-window-range must be 'lo,hi', got {window_range!r}")
+    return int(window_range[0]), int(window_range[1])
+
+
+def sde_window(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
+    """A contiguous window of `--diffusion-num-sde-steps` SDE steps at a seed-determined start."""
+    window = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    if window <= 0:
+        raise ValueError(f"the sde_window strategy needs --diffusion-num-sde-steps > 0 (got {window})")
+    lo, hi = _window_range(args, num_steps)
+    if not 0 <= lo < hi <= num_steps:
+        raise ValueError(
+            f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= {num_steps} (the number of steps)"
+        )
+    if window > hi - lo:
+        raise ValueError(
+            f"--diffusion-num-sde-steps {window} does not fit the SDE window [{lo}, {hi}) "
+            "(--diffusion-sde-window-range)"
+        )
+    start = int(np.random.default_rng(seed).integers(lo, hi - window + 1))
+    steps = list(range(start, start + window))
+    return steps, return_indices(steps)
+
+
+def epoch_global_random_choice(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
+    """`--diffusion-num-sde-steps` of the candidate steps, drawn once per epoch and shared by all its samples."""
+    candidates = getattr(args, "diffusion_sde_candidate_steps", None)
+    if candidates is None or len(candidates) == 0:
+        raise ValueError(
+            "the epoch_global_random_choice strategy requires --diffusion-sde-candidate-steps (e.g. '1,2,3')"
+        )
+    candidates = [int(c) for c in candidates]
+    bad = [c for c in candidates if not 0 <= c < num_steps]
+    if bad:
+        raise ValueError(f"--diffusion-sde-candidate-steps: steps {bad} are outside [0, {num_steps})")
+    if len(set(candidates)) != len(candidates):
+        raise ValueError(f"--diffusion-sde-candidate-steps has duplicates: {candidates}")
+    k = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    if k <= 0 or k >= len(candidates):
+        steps = sorted(candidates)
+    else:
+        rollout_batch_size = getattr(args, "rollout_batch_size", None)
+        if not rollout_batch_size:
+            raise ValueError("the epoch_global_random_choice strategy needs --rollout-batch-size to find the epoch")
+        epoch = int(sample.group_index) // int(rollout_batch_size)
+        generator = torch.Generator().manual_seed(epoch + int(getattr(args, "rollout_seed", 42)))
+        perm = torch.randperm(len(candidates), generator=generator)[:k]
+        steps = sorted(candidates[i] for i in perm.tolist())
+    return steps, return_indices(steps)
+
+
+def ode_and_return_last(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[None, list[int]]:
+    """No SDE step; only the final latent is needed (DiffusionNFT trains from the final image)."""
+    return None, [num_steps]
+
+
+def default_steps(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int] | None]:
+    """The selection used when `--diffusion-step-strategy-path` is unset (see the module docstring)."""
+    n = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    if n > 0:
+        return sde_window(args, sample, num_steps, seed)
+    sde_type = getattr(args, "diffusion_sde_type", "sde")
+    noise_level = float(getattr(args, "diffusion_noise_level", 0.7))
+    if sde_type == "ode" or noise_level == 0.0:
+        return [], None
+    steps = list(range(num_steps - 1))
+    return steps, return_indices(steps) if steps else None
+
+
+STOCK_STRATEGIES: dict[str, StepStrategy] = {
+    "sde_window": sde_window,
+    "epoch_global_random_choice": epoch_global_random_choice,
+    "ode_and_return_last": ode_and_return_last,
+    "default_steps": default_steps,
+}
+
+
+def _load_dotted(path: str) -> Any:
+    module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(
+            f"{STRATEGY_FLAG} {path!r} is neither a stock strategy ({', '.join(STOCK_STRATEGIES)}) "
+            "nor a dotted path 'package.module.function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"{STRATEGY_FLAG} {path!r}: cannot import module {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"{STRATEGY_FLAG} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def resolve_step_strategy(args: Any) -> StepStrategy:
+    """The strategy named by `args.diffusion_step_strategy_path`: a stock name, a dotted path, or the default."""
+    path = getattr(args, "diffusion_step_strategy_path", None)
+    if not path:
+        return default_steps
+    if callable(path):
+        return path
+    path = str(path).strip()
+    fn = STOCK_STRATEGIES.get(path)
+    if fn is None:
+        fn = _load_dotted(path)
+    if not callable(fn):
+        raise TypeError(f"{STRATEGY_FLAG} {path!r} is not callable")
+    return fn
+
+
+def _check_indices(values: Any, upper: int, what: str, name: str) -> list[int]:
+    out = sorted({int(i) for i in values})
+    bad = [i for i in out if not 0 <= i <= upper]
+    if bad:
+        raise ValueError(f"step strategy {name} returned {what} {bad} outside [0, {upper}]")
+    return out
+
+
+def select_steps(
+    args: Any, sample: Any, num_steps: int, seed: int, strategy: StepStrategy | None = None
+) -> tuple[list[int], list[int] | None]:
+    """Run the strategy (resolved from `args` unless given) and normalize its answer for the engine.
+
+    Returns `(sde_steps, return_steps)`: sorted, de-duplicated, range-checked; `sde_steps` is a list
+    (possibly empty), `return_steps` stays None when the strategy has no preference.
+    """
+    fn = strategy or resolve_step_strategy(args)
+    name = getattr(fn, "__qualname__", repr(fn))
+    result = fn(args, sample, num_steps, seed)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(f"step strategy {name} must return (sde_step_indices, return_step_indices), got {result!r}")
+    sde_steps, return_steps = result
+    sde = [] if sde_steps is None else _check_indices(sde_steps, num_steps - 1, "SDE steps", name)
+    ret = None if return_steps is None else _check_indices(return_steps, num_steps, "return steps", name)
+    return sde, ret

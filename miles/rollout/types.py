@@ -1,0 +1,110 @@
+"""The rollout data contract: a sample is a whole denoising trajectory.
+
+Everything here converts to and from plain dicts of tensors, numbers, strings, lists and dicts
+(`to_dict` / `from_dict`), so a rollout file loads with `torch.load(weights_only=True)` and is all
+`miles replay` needs.
+
+Shapes (one sample; T = number of denoising steps, latents are C x h x w):
+    Trajectory.latents      [T+1, C, h, w]  x_0 (initial noise) ... x_T (final latent), fp32
+    Trajectory.timesteps    [T]             the model's timestep input at each step (1000 * sigma for SD3)
+    Trajectory.sigmas       [T+1]           scheduler sigmas, terminal 0 included
+    Trajectory.sde_step_indices             the steps that ran stochastically (their transitions are trained)
+    Trajectory.log_probs    [len(sde_step_indices)]  log-prob of each recorded SDE transition
+                                            x_i -> x_{i+1}, averaged over latent elements
+    Conditions.*            the prompt's encoder outputs (positive; negative when CFG is on)
+    Sample.image            [3, H, W] float in [0, 1], the decoded image the reward saw
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+PENDING, COMPLETED, ABORTED, FAILED = "pending", "completed", "aborted", "failed"
+
+
+@dataclass
+class Trajectory:
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    sde_step_indices: list[int] = field(default_factory=list)
+    log_probs: torch.Tensor | None = None
+    sde_type: str = "sde"
+    noise_level: float = 0.0
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        return cls(**data)
+
+
+@dataclass
+class Conditions:
+    """Encoder outputs of one prompt, as the family's condition inputs name them."""
+
+    positive: dict[str, torch.Tensor]
+    negative: dict[str, torch.Tensor] | None = None
+    guidance_scale: float = 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"positive": self.positive, "negative": self.negative, "guidance_scale": self.guidance_scale}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Conditions:
+        return cls(**data)
+
+
+@dataclass
+class Sample:
+    """One generated output with everything its training needs."""
+
+    index: int  # position in the rollout batch
+    group_index: int  # monotonic over the run: which prompt group (of n_samples_per_prompt) it belongs to
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    trajectory: Trajectory | None = None
+    conditions: Conditions | None = None
+    image: torch.Tensor | None = None
+    reward: float | dict[str, float] | None = None
+    advantage: float | None = None
+    remove_sample: bool = False
+    status: str = PENDING
+    inference_time_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (Trajectory, Conditions)):
+                value = value.to_dict()
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        data = dict(data)
+        if data.get("trajectory") is not None:
+            data["trajectory"] = Trajectory.from_dict(data["trajectory"])
+        if data.get("conditions") is not None:
+            data["conditions"] = Conditions.from_dict(data["conditions"])
+        return cls(**data)
+
+    def scalar_reward(self, reward_key: str | None = None) -> float:
+        """The reward as one number: a dict reward is read at `reward_key`."""
+        if self.reward is None:
+            raise ValueError(f"sample {self.index} has no reward yet")
+        if isinstance(self.reward, dict):
+            if reward_key is None:
+                raise ValueError(f"sample {self.index}: the reward is a dict {sorted(self.reward)}; set --reward-key")
+            return float(self.reward[reward_key])
+        return float(self.reward)

@@ -1,0 +1,24 @@
+"""Starting or joining Ray for a job."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def init_ray(args: Any) -> None:
+    """Join the cluster at RAY_ADDRESS when set; otherwise start a local one sized to this machine."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    env_vars = {str(k): str(v) for k, v in (getattr(args, "train_env_vars", None) or {}).items()}
+    env_vars.setdefault("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
+    if "MILES_HOME" in os.environ:
+        env_vars.setdefault("MILES_HOME", os.environ["MILES_HOME"])
+    runtime_env = {"env_vars": env_vars}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
