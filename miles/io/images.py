@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from miles.utils.atomic import atomic_open
+
 _LABEL_H = 28
 
 
@@ -35,12 +37,9 @@ def save_grid(
         sheet.paste(_tile(image, size), (x, y))
         for line_no, line in enumerate(_wrap(label, size // 6)[:2]):
             draw.text((x + 2, y + size + 2 + 12 * line_no), line, fill="black", font=font)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    sheet.save(tmp)
-    os.replace(tmp, path)
-    return path
+    with atomic_open(path, "wb") as handle:
+        sheet.save(handle, format="PNG")
+    return Path(path)
 
 
 def _wrap(text: str, width: int) -> list[str]:

@@ -13,10 +13,8 @@ fraction of a replayed rollout (its first and last halves).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,6 +23,7 @@ import torch
 
 from miles.config.errors import ConfigError
 from miles.rollout.types import Sample
+from miles.utils.atomic import atomic_open
 
 T = TypeVar("T")
 
@@ -89,18 +88,8 @@ def save_rollout(
         raise ValueError(f"extra: expected a dict or None, got {type(extra).__name__}")
     check_serializable(extra, "extra")
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "wb") as handle:
+        torch.save(payload, handle)
     return path
 
 

@@ -19,13 +19,11 @@ deterministic, differs between epochs, and is reproduced exactly after `load_sta
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ import numpy as np
 from miles.config.errors import ConfigError
 from miles.rollout.seeds import group_sample_seeds
 from miles.rollout.types import Sample
+from miles.utils.atomic import atomic_write_text
 from miles.utils.hooks import load_class, load_function
 
 logger = logging.getLogger(__name__)
@@ -138,19 +137,7 @@ def epoch_permutation(size: int, seed: int, epoch: int) -> list[int]:
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 class RolloutDataSource:

@@ -40,12 +40,13 @@ Default when `--diffusion-step-strategy-path` is unset (`default_steps`), our ch
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
+
+from miles.utils.hooks import load_function
 
 StepStrategy = Callable[[Any, Any, int, int], tuple[list[int] | None, list[int] | None]]
 
@@ -142,23 +143,6 @@ STOCK_STRATEGIES: dict[str, StepStrategy] = {
 }
 
 
-def _load_dotted(path: str) -> Any:
-    module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(
-            f"{STRATEGY_FLAG} {path!r} is neither a stock strategy ({', '.join(STOCK_STRATEGIES)}) "
-            "nor a dotted path 'package.module.function'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"{STRATEGY_FLAG} {path!r}: cannot import module {module_name!r}: {exc}") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ImportError(f"{STRATEGY_FLAG} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
-
-
 def resolve_step_strategy(args: Any) -> StepStrategy:
     """The strategy named by `args.diffusion_step_strategy_path`: a stock name, a dotted path, or the default."""
     path = getattr(args, "diffusion_step_strategy_path", None)
@@ -169,7 +153,7 @@ def resolve_step_strategy(args: Any) -> StepStrategy:
     path = str(path).strip()
     fn = STOCK_STRATEGIES.get(path)
     if fn is None:
-        fn = _load_dotted(path)
+        fn = load_function(path, STRATEGY_FLAG)
     if not callable(fn):
         raise TypeError(f"{STRATEGY_FLAG} {path!r} is not callable")
     return fn

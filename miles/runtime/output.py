@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.config.export import to_json_dict, to_yaml_text
+from miles.utils.atomic import atomic_write_text
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -17,8 +17,10 @@ def prepare_output_dir(resolved: ResolvedJob) -> Path:
     """Create `--output-dir` and write `config.yaml` (re-runnable via --custom-config-path) and `config.json`."""
     out = Path(resolved.args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "config.yaml", to_yaml_text(resolved.args))
-    _atomic_write(out / "config.json", json.dumps(to_json_dict(resolved.spec.name, resolved.trainer_args), indent=2))
+    atomic_write_text(out / "config.yaml", to_yaml_text(resolved.args))
+    atomic_write_text(
+        out / "config.json", json.dumps(to_json_dict(resolved.spec.name, resolved.trainer_args), indent=2)
+    )
     return out
 
 
@@ -34,9 +36,3 @@ def prepare_inputs(args: Any) -> None:
     for spec in specs:
         if spec is not None and is_builtin_dataset(spec):
             resolve_dataset(spec)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from miles.config.errors import ConfigError
 from miles.rollout import step_strategy_hub as hub
 from miles.rollout.seeds import group_sample_seeds
 from miles.rollout.types import Sample
@@ -110,7 +111,7 @@ def test_resolve_and_select():
     ode = _args(diffusion_step_strategy_path="ode_and_return_last")
     assert hub.select_steps(ode, _sample(), 10, 0) == ([], [10])
     for bad in ("no_such_module_xyz.fn", f"{__name__}.missing_fn", "nodots"):
-        with pytest.raises((ImportError, ValueError), match="--diffusion-step-strategy-path"):
+        with pytest.raises(ConfigError, match="--diffusion-step-strategy-path"):
             hub.resolve_step_strategy(_args(diffusion_step_strategy_path=bad))
     with pytest.raises(ValueError, match="outside"):
         hub.select_steps(_args(), _sample(), 10, 0, strategy=lambda *a: ([10], None))
