@@ -72,6 +72,17 @@ class RolloutManager:
         self.strategy = resolve_step_strategy(args)
         self.use_ray_engines = use_ray_engines
         self.engines = engines if engines is not None else self._make_engines()
+        if use_ray_engines:
+            self._make_reward_pools()
+
+    def _make_reward_pools(self) -> None:
+        """Ray actor pools for the model-backed rewards in use (OCR, PickScore); cheap ones score in-process."""
+        from miles.rollout.rm_hub.pool import POOLED_RM_TYPES, make_reward_pools, reward_types_in_use
+
+        metadata = [record.metadata for record in getattr(self.data_source, "dataset", [])]
+        pooled = [t for t in reward_types_in_use(self.args, metadata) if t in POOLED_RM_TYPES]
+        if pooled:
+            make_reward_pools(self.args, pooled)
 
     def _make_engines(self) -> list[Any]:
         num = num_engines(self.args)
@@ -119,7 +130,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> RolloutBatch:
         from miles.rollout.advantages import post_process_rewards
         from miles.rollout.filter_hub import apply_dynamic_filter, apply_sample_filter
-        from miles.rollout.rm_hub.dispatch import score_samples
+        from miles.rollout.rm_hub.dispatch import score_groups, score_samples
 
         args = self.args
         start = time.perf_counter()
@@ -129,9 +140,10 @@ class RolloutManager:
         generated = time.perf_counter()
         groups = [[_merge(s, by_index[s.index]) for s in group] for group in groups]
         flat = [s for group in groups for s in group]
-        rewards = asyncio.run(score_samples(args, flat))
-        for sample, reward in zip(flat, rewards, strict=True):
-            sample.reward = reward
+        if args.group_rm:
+            asyncio.run(score_groups(args, groups))
+        else:
+            asyncio.run(score_samples(args, flat))
         scored = time.perf_counter()
 
         kept, dropped = apply_dynamic_filter(args, groups)

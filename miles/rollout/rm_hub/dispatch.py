@@ -1,0 +1,367 @@
+"""Reward dispatch: `batched_async_rm(args, samples)` scores a list of samples, one value per sample.
+
+Who scores what:
+  * `--custom-rm-path`: `async def custom_rm(args, samples, **kwargs) -> list[float | dict]` gets the whole
+    list and replaces the built-in dispatch (batched only: route per sample inside it if needed; a plain
+    `def` works too). Extra `kwargs` of `batched_async_rm` are passed through.
+  * Otherwise each sample's reward type is `sample.metadata.get("rm_type") or args.rm_type`. Samples are
+    grouped by type and every type scores its samples as one batch (all types concurrently), so a mixed
+    microgroup still gets batched model calls. Types with a registered `RewardPool` (see `pool.py` and
+    `set_reward_pools`) score on their Ray actors; the rest score in this process, in a worker thread so
+    the event loop keeps running.
+  * `remote_rm` is not implemented (a `ConfigError` pointing to `--custom-rm-path` and `args.rm_url`);
+    an unknown type is a `ConfigError` naming it and the sample.
+
+Rewards are floats for the built-ins; a custom reward may return dicts, which stay dicts in
+`sample.reward` and are read at `--reward-key` later (`Sample.scalar_reward`).
+
+`--group-rm`: the rollout calls `score_groups(args, groups)` once every sample of a prompt group is
+generated, which runs the same dispatch once per whole group; without it, it calls
+`score_samples(args, microgroup)` right after each microgroup is generated.
+
+A failing reward raises `RewardError` naming the reward type and the sample (index and prompt): when
+a batch fails, its samples are re-scored one by one to find the culprit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+import numbers
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from miles.rollout.types import Sample
+
+Reward = float | dict[str, float]
+# scorer(images, prompts, metadata) -> one float per item
+Scorer = Callable[[Sequence[Any], Sequence[str], Sequence[Mapping[str, Any]]], Sequence[float]]
+
+BUILTIN_RM_TYPES = ("digit", "ocr", "pickscore", "jpeg_compressibility", "jpeg_incompressibility")
+REMOTE_RM = "remote_rm"
+
+
+class RewardError(RuntimeError):
+    """A reward function failed; the message names the reward type and the sample(s)."""
+
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def describe_sample(index: int, prompt: str, limit: int = 80) -> str:
+    shown = prompt if len(prompt) <= limit else prompt[: limit - 3] + "..."
+    return f"sample {index} (prompt {shown!r})"
+
+
+def describe_samples(names: Sequence[str]) -> str:
+    if len(names) == 1:
+        return names[0]
+    head = ", ".join(names[:3])
+    return f"{len(names)} samples: {head}" + (", ..." if len(names) > 3 else "")
+
+
+# ---- settings and scorers ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RewardSettings:
+    """The (picklable, hashable) part of args the built-in rewards read; what a reward worker gets."""
+
+    hf_checkpoint: str | None = None
+    pickscore_model_path: str | None = None
+    pickscore_processor_path: str | None = None
+    pickscore_batch_size: int = 8
+    pickscore_num_frames: int | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> RewardSettings:
+        def text(name: str) -> str | None:
+            value = _arg(args, name)
+            return None if value is None else str(value)
+
+        frames = _arg(args, "pickscore_num_frames")
+        return cls(
+            hf_checkpoint=text("hf_checkpoint"),
+            pickscore_model_path=text("pickscore_model_path"),
+            pickscore_processor_path=text("pickscore_processor_path"),
+            pickscore_batch_size=int(_arg(args, "pickscore_batch_size", 8)),
+            pickscore_num_frames=None if frames is None else int(frames),
+        )
+
+
+def _jpeg_scorer(negative: bool) -> Scorer:
+    from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility
+
+    fn = jpeg_compressibility if negative else jpeg_incompressibility
+    return lambda images, prompts, metadata: fn(images)
+
+
+def _ocr_scorer() -> Scorer:
+    from miles.rollout.rm_hub.ocr import load_ocr_engine
+
+    engine = load_ocr_engine()
+    return lambda images, prompts, metadata: engine.score(images, prompts)
+
+
+def check_settings(settings: RewardSettings, rm_type: str) -> None:
+    """Fail early (ConfigError) on a reward type the settings cannot serve."""
+    if rm_type not in BUILTIN_RM_TYPES:
+        raise ConfigError(f"unknown reward type {rm_type!r}; built-in types: {', '.join(BUILTIN_RM_TYPES)}")
+    if rm_type == "pickscore" and (settings.pickscore_model_path is None or settings.pickscore_processor_path is None):
+        raise ConfigError("--rm-type pickscore requires --pickscore-model-path and --pickscore-processor-path")
+
+
+def _pickscore_scorer(settings: RewardSettings) -> Scorer:
+    from miles.rollout.rm_hub.pickscore import load_pickscore
+
+    scorer = load_pickscore(
+        settings.pickscore_model_path,
+        settings.pickscore_processor_path,
+        settings.pickscore_batch_size,
+        settings.pickscore_num_frames,
+    )
+    return lambda images, prompts, metadata: scorer.score(images, prompts)
+
+
+def _digit_label(meta: Mapping[str, Any]) -> int:
+    if "label" not in meta:
+        raise ValueError(f"the digit reward needs metadata.label (the digit to draw); metadata has {sorted(meta)}")
+    label = int(meta["label"])
+    if not 0 <= label <= 9:
+        raise ValueError(f"metadata.label must be a digit 0-9, got {meta['label']!r}")
+    return label
+
+
+def _digit_scorer(settings: RewardSettings) -> Scorer:
+    from miles.models.checkpoints import ensure_checkpoint
+    from miles.rollout.rm_hub.digit import digit_reward, load_digit_classifier
+
+    path = None if settings.hf_checkpoint is None else ensure_checkpoint(settings.hf_checkpoint, progress=False)
+    classifier = load_digit_classifier(path)
+
+    def score(images: Sequence[Any], prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[float]:
+        labels = [_digit_label(m) for m in metadata]
+        return digit_reward(list(images), labels, classifier, value_range="0,1")
+
+    return score
+
+
+def build_scorer(settings: RewardSettings, rm_type: str) -> Scorer:
+    """The in-process scorer of a built-in reward type (models load once per process, cached)."""
+    check_settings(settings, rm_type)
+    if rm_type == "jpeg_compressibility":
+        return _jpeg_scorer(negative=True)
+    if rm_type == "jpeg_incompressibility":
+        return _jpeg_scorer(negative=False)
+    if rm_type == "ocr":
+        return _ocr_scorer()
+    if rm_type == "pickscore":
+        return _pickscore_scorer(settings)
+    if rm_type == "digit":
+        return _digit_scorer(settings)
+    raise AssertionError(rm_type)
+
+
+def _as_reward_value(value: Any, rm_type: str, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # numpy / torch scalar
+            value = value.item()
+        else:
+            raise RewardError(f"reward {rm_type!r} returned {type(value).__name__} for {name}, expected a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardError(f"reward {rm_type!r} returned a non-finite value ({value}) for {name}")
+    return value
+
+
+def score_items(
+    rm_type: str,
+    scorer: Scorer,
+    images: Sequence[Any],
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    names: Sequence[str],
+) -> list[float]:
+    """Run `scorer` on a batch; on failure, find the failing item and raise `RewardError` naming it."""
+    try:
+        values = list(scorer(images, prompts, metadata))
+    except Exception as exc:
+        if len(images) > 1:
+            for i in range(len(images)):
+                try:
+                    scorer([images[i]], [prompts[i]], [metadata[i]])
+                except Exception as item_exc:
+                    raise RewardError(
+                        f"reward {rm_type!r} failed on {names[i]}: {type(item_exc).__name__}: {item_exc}"
+                    ) from item_exc
+        raise RewardError(
+            f"reward {rm_type!r} failed on {describe_samples(names)}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if len(values) != len(images):
+        raise RewardError(
+            f"reward {rm_type!r} returned {len(values)} values for {len(images)} samples ({describe_samples(names)})"
+        )
+    return [_as_reward_value(v, rm_type, n) for v, n in zip(values, names, strict=True)]
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_scorer(settings: RewardSettings, rm_type: str) -> Scorer:
+    return build_scorer(settings, rm_type)
+
+
+_SCORER_LOCK = threading.Lock()
+
+
+def _get_scorer(settings: RewardSettings, rm_type: str) -> Scorer:
+    with _SCORER_LOCK:  # concurrent first calls load the model once
+        return _cached_scorer(settings, rm_type)
+
+
+# ---- pools registry ----------------------------------------------------------------------------
+_ACTIVE_POOLS: dict[str, Any] = {}
+
+
+def set_reward_pools(pools: Mapping[str, Any] | None) -> None:
+    """Register the `RewardPool`s (rm_type -> pool) the dispatch uses; None or {} clears them."""
+    _ACTIVE_POOLS.clear()
+    _ACTIVE_POOLS.update(pools or {})
+
+
+def get_reward_pools() -> dict[str, Any]:
+    return dict(_ACTIVE_POOLS)
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+def resolve_rm_type(args: Any, sample: Sample) -> str:
+    """`sample.metadata.get("rm_type") or args.rm_type`, validated."""
+    rm_type = (sample.metadata or {}).get("rm_type") or _arg(args, "rm_type")
+    name = describe_sample(sample.index, sample.prompt)
+    if rm_type is None:
+        raise ConfigError(f"no reward type for {name}: set --rm-type, metadata.rm_type or --custom-rm-path")
+    if rm_type == REMOTE_RM:
+        raise ConfigError(
+            f"reward type 'remote_rm' ({name}) is not implemented by rm_hub: use --custom-rm-path with a "
+            "function that reads args.rm_url"
+        )
+    if rm_type not in BUILTIN_RM_TYPES:
+        raise ConfigError(
+            f"unknown reward type {rm_type!r} for {name}; built-in types: {', '.join(BUILTIN_RM_TYPES)} "
+            "(or use --custom-rm-path)"
+        )
+    return rm_type
+
+
+@functools.lru_cache(maxsize=8)
+def load_custom_rm(path: str) -> Callable[..., Any]:
+    from miles.models.pipeline_config import import_dotted
+
+    try:
+        fn = import_dotted(path)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--custom-rm-path {path}: cannot import it ({exc})") from exc
+    if not callable(fn):
+        raise ConfigError(f"--custom-rm-path {path} is not a function")
+    return fn
+
+
+def _as_custom_reward(value: Any, path: str, name: str) -> Reward:
+    if isinstance(value, Mapping):
+        return {str(k): _as_reward_value(v, f"custom {path}", f"{name}[{k!r}]") for k, v in value.items()}
+    return _as_reward_value(value, f"custom {path}", name)
+
+
+async def _custom_rm(args: Any, samples: list[Sample], path: str, **kwargs: Any) -> list[Reward]:
+    fn = load_custom_rm(path)
+    names = [describe_sample(s.index, s.prompt) for s in samples]
+    try:
+        result = fn(args, samples, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+    except (RewardError, ConfigError):
+        raise
+    except Exception as exc:
+        raise RewardError(
+            f"custom reward {path} failed on {describe_samples(names)}: {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        values = list(result)
+    except TypeError:
+        raise RewardError(f"custom reward {path} returned {type(result).__name__}, expected a list") from None
+    if len(values) != len(samples):
+        raise RewardError(f"custom reward {path} returned {len(values)} rewards for {len(samples)} samples")
+    return [_as_custom_reward(v, path, n) for v, n in zip(values, names, strict=True)]
+
+
+def _check_image(sample: Sample, rm_type: str) -> Any:
+    if sample.image is None:
+        raise RewardError(f"reward {rm_type!r}: {describe_sample(sample.index, sample.prompt)} has no image")
+    return sample.image
+
+
+async def _score_type(
+    args: Any, rm_type: str, samples: list[Sample], pools: Mapping[str, Any], settings: RewardSettings
+) -> list[float]:
+    pool = pools.get(rm_type)
+    if pool is not None:
+        return list(await pool.score(samples))
+    images = [_check_image(s, rm_type) for s in samples]
+    prompts = [s.prompt for s in samples]
+    metadata = [dict(s.metadata or {}) for s in samples]
+    names = [describe_sample(s.index, s.prompt) for s in samples]
+    check_settings(settings, rm_type)
+
+    def run() -> list[float]:  # in a worker thread: loading a model must not block the event loop either
+        try:
+            scorer = _get_scorer(settings, rm_type)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise RewardError(f"reward {rm_type!r} could not load: {type(exc).__name__}: {exc}") from exc
+        return score_items(rm_type, scorer, images, prompts, metadata, names)
+
+    return await asyncio.to_thread(run)
+
+
+async def batched_async_rm(
+    args: Any, samples: Sequence[Sample], *, pools: Mapping[str, Any] | None = None, **kwargs: Any
+) -> list[Reward]:
+    """One reward per sample, in order (see the module docstring). `pools` overrides the registered pools."""
+    samples = list(samples)
+    if not samples:
+        return []
+    custom = _arg(args, "custom_rm_path")
+    if custom is not None:
+        return await _custom_rm(args, samples, str(custom), **kwargs)
+    by_type: dict[str, list[int]] = {}
+    for i, sample in enumerate(samples):
+        by_type.setdefault(resolve_rm_type(args, sample), []).append(i)
+    settings = RewardSettings.from_args(args)
+    active = _ACTIVE_POOLS if pools is None else pools
+    results = await asyncio.gather(
+        *(_score_type(args, t, [samples[i] for i in idx], active, settings) for t, idx in by_type.items())
+    )
+    rewards: list[Reward | None] = [None] * len(samples)
+    for idx, values in zip(by_type.values(), results, strict=True):
+        for i, value in zip(idx, values, strict=True):
+            rewards[i] = value
+    return rewards  # type: ignore[return-value]
+
+
+async def score_samples(args: Any, samples: Sequence[Sample], **kwargs: Any) -> list[Reward]:
+    """`batched_async_rm`, then store each reward in `sample.reward`."""
+    rewards = await batched_async_rm(args, samples, **kwargs)
+    for sample, reward in zip(samples, rewards, strict=True):
+        sample.reward = reward
+    return rewards
+
+
+async def score_groups(args: Any, groups: Sequence[Sequence[Sample]], **kwargs: Any) -> list[list[Reward]]:
+    """`--group-rm`: one dispatch call per whole prompt group (groups concurrently); sets `sample.reward`."""
+    return list(await asyncio.gather(*(score_samples(args, group, **kwargs) for group in groups)))
