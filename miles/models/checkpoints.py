@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 
 from miles.config.errors import ConfigError
+from miles.models.digits_teachers import SFT_TEACHERS
 from miles.models.tiny_sd3.metadata import METADATA_FILE, TINY_SD3_NAME
 from miles.utils.paths import file_lock, models_dir
 
-BUILTIN_MODELS = (TINY_SD3_NAME,)
+BUILTIN_MODELS = (TINY_SD3_NAME, *SFT_TEACHERS)
 
 
 def is_builtin_model(name: str | os.PathLike) -> bool:
@@ -49,7 +50,12 @@ def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, se
                 f"{target} exists but is not a complete {name} checkpoint; remove it and retry "
                 f"(or run `miles models build {name} --force`)"
             )
-        from miles.models.tiny_sd3.builder import build_tiny_sd3
+        if name in SFT_TEACHERS:
+            from miles.models.digits_teachers import build_digits_teacher
 
-        build_tiny_sd3(target, seed=seed, progress=progress)
+            build_digits_teacher(name, target, progress=progress)
+        else:
+            from miles.models.tiny_sd3.builder import build_tiny_sd3
+
+            build_tiny_sd3(target, seed=seed, progress=progress)
     return target

@@ -68,18 +68,26 @@ def build_requests(
 class RolloutManager:
     def __init__(self, args: Any, engines: list[Any] | None = None, use_ray_engines: bool = False) -> None:
         self.args = args
-        self.data_source = load_data_source(args)
+        self._data_source: Any = None
         self.strategy = resolve_step_strategy(args)
         self.use_ray_engines = use_ray_engines
         self.engines = engines if engines is not None else self._make_engines()
         if use_ray_engines:
             self._make_reward_pools()
 
+    @property
+    def data_source(self) -> Any:
+        """Built on first use: `miles eval` needs none."""
+        if self._data_source is None:
+            self._data_source = load_data_source(self.args)
+        return self._data_source
+
     def _make_reward_pools(self) -> None:
         """Ray actor pools for the model-backed rewards in use (OCR, PickScore); cheap ones score in-process."""
         from miles.rollout.rm_hub.pool import POOLED_RM_TYPES, make_reward_pools, reward_types_in_use
 
-        metadata = [record.metadata for record in getattr(self.data_source, "dataset", [])]
+        source = self.data_source if self.args.prompt_data else None
+        metadata = [record.metadata for record in getattr(source, "dataset", [])]
         pooled = [t for t in reward_types_in_use(self.args, metadata) if t in POOLED_RM_TYPES]
         if pooled:
             make_reward_pools(self.args, pooled)
@@ -109,6 +117,51 @@ class RolloutManager:
 
     def load_data_source_state(self, state: dict[str, Any]) -> None:
         self.data_source.load_state_dict(state)
+
+    # ---- phase 4: weight sync -------------------------------------------------------------
+    def update_weights(self, state: dict[str, Any], version: int) -> int:
+        """Push `state` to every engine in chunks of `--update-weight-buffer-size` bytes; returns tensors sent."""
+        chunks = chunk_state_dict(state, int(self.args.update_weight_buffer_size))
+        sent = 0
+        for chunk in chunks:
+            if self.use_ray_engines:
+                import ray
+
+                sent = sum(ray.get([e.update_weights.remote(chunk, version) for e in self.engines])) // len(
+                    self.engines
+                )
+            else:
+                sent = sum(e.update_weights(chunk, version) for e in self.engines) // len(self.engines)
+        return len(state) if chunks else sent
+
+    def engine_state_dict(self, index: int = 0) -> dict[str, Any]:
+        engine = self.engines[index]
+        if self.use_ray_engines:
+            import ray
+
+            return ray.get(engine.transformer_state_dict.remote())
+        return engine.transformer_state_dict()
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def evaluate(self) -> tuple[dict[str, float], dict[str, list[Sample]]]:
+        """Generate and score every eval dataset (ODE, no trajectories): metrics and the samples by name."""
+        from miles.rollout.evaluation import eval_datasets, eval_groups, eval_metrics
+        from miles.rollout.rm_hub.dispatch import score_samples
+
+        metrics: dict[str, float] = {}
+        by_name: dict[str, list[Sample]] = {}
+        for dataset in eval_datasets(self.args):
+            groups = eval_groups(self.args, dataset)
+            requests = build_requests(self.args, groups, self.strategy, evaluation=True)
+            if dataset.num_steps:
+                for request in requests:
+                    request.num_steps = int(dataset.num_steps)
+            done = {s.index: s for s in self.run_requests(requests)}
+            samples = [_merge(s, done[s.index]) for group in groups for s in group]
+            asyncio.run(score_samples(self.args, samples))
+            metrics.update(eval_metrics(self.args, dataset.name, samples))
+            by_name[dataset.name] = samples
+        return metrics, by_name
 
     # ---- phases 1 and 2 --------------------------------------------------------------------
     def run_requests(self, requests: list[GenerateRequest]) -> list[Sample]:
@@ -168,6 +221,23 @@ class RolloutManager:
         if log_probs:
             metrics["rollout/log_prob_mean"] = statistics.fmean(log_probs)
         return RolloutBatch(rollout_id=rollout_id, samples=samples, metrics=metrics)
+
+
+def chunk_state_dict(state: dict[str, Any], buffer_bytes: int) -> list[dict[str, Any]]:
+    """Split a state dict into chunks of at most `buffer_bytes` (a larger tensor travels alone)."""
+    chunks: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > buffer_bytes:
+            chunks.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def _merge(planned: Sample, done: Sample) -> Sample:

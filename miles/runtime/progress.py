@@ -18,8 +18,9 @@ def progress_bar(what: str, total: int) -> Iterator[Callable[[str], None]]:
     with Progress(*columns, console=console, disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task(what, total=total)
 
-        def advance(line: str) -> None:
-            progress.console.print(line) if sys.stderr.isatty() else print(line, flush=True)
+        def advance(line: str = "") -> None:
+            if line:
+                progress.console.print(line) if sys.stderr.isatty() else print(line, flush=True)
             progress.advance(task)
 
         yield advance

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles.io.images import save_grid
-from miles.io.metrics import MetricsWriter, summary_line
+from miles.io.loggers import MetricsLogger
 from miles.io.rollout_file import format_rollout_path, save_rollout
 from miles.runtime.output import prepare_inputs, prepare_output_dir
 from miles.runtime.progress import progress_bar
@@ -17,8 +16,6 @@ from miles.runtime.ray_setup import init_ray
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
-
-SUMMARY_KEYS = ("rollout/reward/raw_mean", "rollout/reward/raw_std", "perf/rollout_time")
 
 
 def run(resolved: ResolvedJob) -> int:
@@ -34,7 +31,7 @@ def run(resolved: ResolvedJob) -> int:
         manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
         num_rollout = args.num_rollout or ray.get(manager.num_rollout.remote())
         start = args.start_rollout_id or 0
-        metrics_writer = MetricsWriter(out)
+        logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
         with progress_bar("rollout", num_rollout - start) as advance:
             for rollout_id in range(start, num_rollout):
                 batch = ray.get(manager.generate.remote(rollout_id))
@@ -44,9 +41,9 @@ def run(resolved: ResolvedJob) -> int:
                         format_rollout_path(args.save_debug_rollout_data, rollout_id), rollout_id, batch.samples
                     )
                 labels = [f"{s.prompt} | r={s.scalar_reward(args.reward_key):.3f}" for s in batch.samples]
-                save_grid(out / "images" / f"rollout_{rollout_id}.png", [s.image for s in batch.samples], labels)
-                metrics_writer.write(rollout_id, batch.metrics)
-                advance(summary_line(rollout_id, batch.metrics, SUMMARY_KEYS))
+                logger.log_images(rollout_id, [s.image for s in batch.samples], labels)
+                advance(logger.log(rollout_id, batch.metrics))
+        logger.close()
     finally:
         ray.shutdown()
     print(f"miles: wrote {num_rollout - start} rollouts to {out}")

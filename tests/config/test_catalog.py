@@ -258,6 +258,8 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--dmd2-max-step-ratio": (FLOAT, 0.98),
     "--dmd2-gan-loss-weight": (FLOAT, 0.0),
     "--dmd2-backward-simulation": (BOOL, True),
+    "--use-tensorboard": (BOOL, False),
+    "--tensorboard-dir": (PATH, None),
 }
 
 EXPECTED_GROUPS = (

@@ -1,4 +1,4 @@
-"""Metrics and media logging: wandb and the miles dashboard."""
+"""Metrics and media logging: wandb, TensorBoard and the miles dashboard."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ FLAGS: list[Flag] = [
     _f("disable-wandb-random-suffix", BOOL, False, "Do not append a random suffix to wandb run names."),
     _f("wandb-log-num-images", INT, 0, "Images or videos logged per rollout; 0 disables media logging.", min=0),
     _f("wandb-log-image-interval", INT, 1, "Log media every N rollouts.", min=1),
+    _f("use-tensorboard", BOOL, False, "Also write TensorBoard event files under <output-dir>/tensorboard."),
+    _f("tensorboard-dir", PATH, None, "Directory for TensorBoard event files (default: <output-dir>/tensorboard)."),
     _f("use-miles-dashboard", BOOL, False, "Record async phase and trajectory telemetry for the miles dashboard."),
     _f("miles-dashboard-workspace", PATH, "./miles_dashboard", "Directory the dashboard telemetry is written to."),
 ]

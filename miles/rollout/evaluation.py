@@ -1,0 +1,106 @@
+"""Eval datasets: pure generation (ODE, `--diffusion-eval-num-steps`), scored, with digit metrics.
+
+Datasets come from `--eval-prompt-data NAME PATH` (repeatable) or `--eval-config` (a YAML/JSON file
+`{datasets: [{name, path, n_samples_per_eval_prompt?, num_steps?}]}`). Metrics are reported as
+`eval/<name>/<metric>`: `reward_mean` (and `reward_std`) always; for prompts whose metadata holds a
+digit `label`, also `accuracy` (the digit classifier agrees with the prompt) and `fd` (Fréchet
+distance of classifier features against the real digits test split).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles.config.errors import ConfigError
+from miles.rollout.data_source import load_prompt_jsonl, resolve_prompt_data
+from miles.rollout.seeds import group_sample_seeds
+from miles.rollout.types import Sample
+
+EVAL_SEED_OFFSET = 1_000_003  # eval seeds never collide with the training layout's first groups
+
+
+@dataclass(frozen=True)
+class EvalDataset:
+    name: str
+    path: str
+    n_samples_per_prompt: int
+    num_steps: int | None = None
+
+
+def eval_datasets(args: Any) -> list[EvalDataset]:
+    n = int(args.n_samples_per_eval_prompt or 1)
+    if args.eval_config:
+        import yaml
+
+        path = Path(args.eval_config)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--eval-config {path}: no such file") from None
+        rows = (data or {}).get("datasets") if isinstance(data, dict) else None
+        if not isinstance(rows, list) or not rows:
+            raise ConfigError(f"--eval-config {path}: expected a mapping with a non-empty 'datasets' list")
+        out = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or "name" not in row or "path" not in row:
+                raise ConfigError(f"--eval-config {path}: datasets[{i}] needs 'name' and 'path'")
+            out.append(
+                EvalDataset(
+                    str(row["name"]),
+                    str(row["path"]),
+                    int(row.get("n_samples_per_eval_prompt", n)),
+                    row.get("num_steps"),
+                )
+            )
+        return out
+    return [EvalDataset(name, spec, n) for name, spec in (args.eval_prompt_data or {}).items()]
+
+
+def eval_groups(args: Any, dataset: EvalDataset) -> list[list[Sample]]:
+    key = args.eval_input_key or args.input_key
+    records = load_prompt_jsonl(resolve_prompt_data(dataset.path), key, args.metadata_key)
+    groups, index = [], 0
+    n = dataset.n_samples_per_prompt
+    for g, record in enumerate(records):
+        seeds = group_sample_seeds(args.rollout_seed + EVAL_SEED_OFFSET, g, n)
+        group = []
+        for seed in seeds:
+            group.append(
+                Sample(index=index, group_index=g, prompt=record.prompt, metadata=dict(record.metadata), seed=seed)
+            )
+            index += 1
+        groups.append(group)
+    return groups
+
+
+def eval_metrics(args: Any, name: str, samples: list[Sample]) -> dict[str, float]:
+    rewards = [s.scalar_reward(args.eval_reward_key or args.reward_key) for s in samples]
+    out = {
+        f"eval/{name}/reward_mean": statistics.fmean(rewards),
+        f"eval/{name}/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        f"eval/{name}/num_samples": float(len(samples)),
+    }
+    labelled = [s for s in samples if isinstance(s.metadata.get("label"), int)]
+    if labelled and len(labelled) == len(samples):
+        import torch
+
+        from miles.rollout.rm_hub.digit_metrics import digit_accuracy, digit_fd
+
+        classifier = _classifier_for(args)
+        images = torch.stack([s.image for s in samples])
+        labels = [int(s.metadata["label"]) for s in samples]
+        out[f"eval/{name}/accuracy"] = float(digit_accuracy(images, labels, classifier))
+        if len(samples) > 10:
+            out[f"eval/{name}/fd"] = float(digit_fd(images, classifier))
+    return out
+
+
+def _classifier_for(args: Any) -> Any:
+    from miles.models.checkpoints import ensure_checkpoint
+    from miles.rollout.rm_hub.digit import CLASSIFIER_DIRNAME, load_digit_classifier
+
+    own = ensure_checkpoint(args.hf_checkpoint) / CLASSIFIER_DIRNAME
+    return load_digit_classifier(own if own.is_dir() else None)

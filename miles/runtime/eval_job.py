@@ -1,0 +1,49 @@
+"""`miles eval`: generate for the eval datasets with `--hf-checkpoint` and report their metrics.
+
+Writes `eval/<name>/<metric>` to metrics.jsonl (rollout_id 0) and a labelled grid per dataset,
+`images/eval_<name>.png`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from miles.io.images import save_grid
+from miles.io.loggers import MetricsLogger
+from miles.runtime.output import prepare_inputs, prepare_output_dir
+from miles.runtime.ray_setup import init_ray
+
+if TYPE_CHECKING:
+    from miles.config.resolve import ResolvedJob
+
+GRID_MAX = 64
+
+
+def save_eval_grids(args: Any, out: Any, by_name: dict[str, list[Any]], tag: str = "") -> None:
+    key = args.eval_reward_key or args.reward_key
+    for name, samples in by_name.items():
+        shown = samples[:GRID_MAX]
+        labels = [f"{s.prompt} | r={s.scalar_reward(key):.3f}" for s in shown]
+        save_grid(out / "images" / f"eval_{name}{tag}.png", [s.image for s in shown], labels)
+
+
+def run(resolved: ResolvedJob) -> int:
+    import ray
+
+    from miles.rollout.manager import manager_actor_class
+
+    args = resolved.args
+    out = prepare_output_dir(resolved)
+    prepare_inputs(args)
+    init_ray(args)
+    try:
+        manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
+        metrics, by_name = ray.get(manager.evaluate.remote())
+    finally:
+        ray.shutdown()
+    with MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None) as logger:
+        logger.log(0, metrics)
+    save_eval_grids(args, out, by_name)
+    for key, value in sorted(metrics.items()):
+        print(f"{key} = {value:.4f}")
+    return 0

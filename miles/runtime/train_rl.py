@@ -1,0 +1,142 @@
+"""`miles train rl`: the loop of the core concepts.
+
+for rollout_id in range(start_rollout_id, num_rollout):
+    batch = rollout_manager.generate(rollout_id)      # 1. sample, 2. score
+    metrics = actor.train(rollout_id, batch.samples)  # 3. optimize
+    rollout_manager.update_weights(actor weights)     # 4. sync
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.io.loggers import MetricsLogger
+from miles.runtime.output import prepare_inputs, prepare_output_dir
+from miles.runtime.progress import progress_bar
+from miles.runtime.ray_setup import init_ray
+
+if TYPE_CHECKING:
+    from miles.config.resolve import ResolvedJob
+
+
+def train_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Trainer metrics under the reference's names (`train/...`, `perf/train_time`)."""
+    out = {f"train/{k}": v for k, v in metrics.items() if k != "train_time"}
+    if "train_time" in metrics:
+        out["perf/train_time"] = metrics["train_time"]
+    return out
+
+
+def run(resolved: ResolvedJob) -> int:
+    import ray
+
+    from miles.rollout.manager import manager_actor_class
+    from miles.runtime.trainer_group import TrainerGroup
+
+    args = resolved.trainer_args["actor"]
+    out = prepare_output_dir(resolved)
+    prepare_inputs(args)
+    init_ray(args)
+    try:
+        manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
+        num_rollout = args.num_rollout or ray.get(manager.num_rollout.remote())
+        total_steps = max(1, num_rollout * int(args.num_steps_per_rollout or 1))
+        group = TrainerGroup(args, "actor", total_steps)
+        start = resume(args, manager, group)
+        logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
+        with progress_bar("train rl", num_rollout - start) as advance:
+            for rollout_id in range(start, num_rollout):
+                metrics: dict[str, float] = {}
+                if eval_due(args, rollout_id, start):
+                    metrics.update(run_eval(args, manager, out, rollout_id))
+                step_metrics, batch = run_iteration(args, manager, group, rollout_id)
+                metrics.update(step_metrics)
+                advance(logger.log(rollout_id, metrics))
+                logger.log_images(rollout_id, *_images(args, batch.samples))
+                if save_due(args, rollout_id, num_rollout):
+                    save(args, manager, group, rollout_id)
+        if has_eval_data(args) and start < num_rollout:
+            logger.log(num_rollout, run_eval(args, manager, out, num_rollout))
+        target = Path(args.output_dir) / "checkpoint"
+        group.call("export_pipeline", str(target))
+        print(f"miles: exported the trained pipeline to {target}")
+    finally:
+        if "logger" in locals():
+            logger.close()
+        ray.shutdown()
+    print(f"miles: train rl finished {num_rollout - start} rollouts; metrics in {out / 'metrics.jsonl'}")
+    return 0
+
+
+def has_eval_data(args: Any) -> bool:
+    return bool(args.eval_prompt_data) or args.eval_config is not None
+
+
+def eval_due(args: Any, rollout_id: int, start: int) -> bool:
+    if not has_eval_data(args) or not args.eval_interval:
+        return False
+    if rollout_id == start == 0:
+        return not args.skip_eval_before_train
+    return rollout_id % args.eval_interval == 0
+
+
+def run_eval(args: Any, manager: Any, out: Path, rollout_id: int) -> dict[str, float]:
+    import ray
+
+    from miles.runtime.eval_job import save_eval_grids
+
+    metrics, by_name = ray.get(manager.evaluate.remote())
+    save_eval_grids(args, out, by_name, tag=f"_{rollout_id}")
+    return metrics
+
+
+def save_due(args: Any, rollout_id: int, num_rollout: int) -> bool:
+    if not args.save:
+        return False
+    last = rollout_id == num_rollout - 1
+    return last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
+
+
+def save(args: Any, manager: Any, group: Any, rollout_id: int) -> None:
+    import ray
+
+    extra = {"rollout_id": rollout_id, "data_source": ray.get(manager.data_source_state.remote())}
+    group.call("save_checkpoint", args.save, rollout_id, extra)
+
+
+def resume(args: Any, manager: Any, group: Any) -> int:
+    """Restore `--load` (trainer state, data source) and sync the engines; the first rollout id to run."""
+    import ray
+
+    start = 0
+    if args.load:
+        extra = group.call("load_checkpoint", args.load, args.ckpt_step)[0]
+        start = int(extra["rollout_id"]) + 1
+        if extra.get("data_source"):
+            ray.get(manager.load_data_source_state.remote(extra["data_source"]))
+        ray.get(manager.update_weights.remote(group.engine_weights(), start))
+    if args.start_rollout_id is not None:
+        start = int(args.start_rollout_id)
+    return start
+
+
+def _images(args: Any, samples: list[Any], limit: int = 64) -> tuple[list[Any], list[str]]:
+    shown = samples[:limit]
+    return [s.image for s in shown], [f"{s.prompt} | r={s.scalar_reward(args.reward_key):.3f}" for s in shown]
+
+
+def run_iteration(args: Any, manager: Any, group: Any, rollout_id: int) -> tuple[dict[str, float], Any]:
+    import ray
+
+    t0 = time.perf_counter()
+    batch = ray.get(manager.generate.remote(rollout_id))
+    metrics = dict(batch.metrics)
+    metrics.update(train_metrics(group.train(rollout_id, batch.samples)))
+    if not args.debug_skip_optimizer_step:
+        t1 = time.perf_counter()
+        ray.get(manager.update_weights.remote(group.engine_weights(), rollout_id + 1))
+        metrics["perf/sync_time"] = time.perf_counter() - t1
+    metrics["perf/step_time"] = time.perf_counter() - t0
+    return metrics, batch

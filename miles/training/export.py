@@ -1,0 +1,47 @@
+"""Exporting trained weights as a complete diffusers pipeline directory.
+
+The export is the base pipeline (`--hf-checkpoint`) with the transformer replaced by the trained
+one (LoRA merged), so it loads with `from_pretrained` and serves as `--hf-checkpoint` of a later
+job (eval, or the start of RL from an SFT teacher). Written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.models.checkpoints import ensure_checkpoint
+from miles.utils.paths import atomic_directory
+
+
+def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
+    from miles.rollout.engines.diffusers_engine import quiet_loading
+
+    base = ensure_checkpoint(args.hf_checkpoint)
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    with atomic_directory(out) as tmp:
+        for entry in base.iterdir():
+            if entry.name == family.transformer_subfolder:
+                continue
+            target = tmp / entry.name
+            if entry.is_dir():
+                shutil.copytree(entry, target)
+            else:
+                shutil.copy2(entry, target)
+        with quiet_loading():
+            transformer = family.load_transformer_class().from_pretrained(
+                os.fspath(base), subfolder=family.transformer_subfolder
+            )
+        missing, unexpected = transformer.load_state_dict(state, strict=False)
+        if unexpected or missing:
+            raise RuntimeError(
+                f"export: state does not fit the transformer (missing {missing[:3]}, extra {unexpected[:3]})"
+            )
+        transformer.save_pretrained(tmp / family.transformer_subfolder)
+    return out

@@ -1,0 +1,118 @@
+"""Loading the trained DiT: the family's transformer from `--hf-checkpoint`, LoRA, FSDP2 wrapping."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from miles.models.checkpoints import ensure_checkpoint
+from miles.models.families import resolve_family
+from miles.models.pipeline_config import TrainPipelineConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def family_of(args: Any) -> TrainPipelineConfig:
+    return resolve_family(
+        args.hf_checkpoint,
+        family=args.diffusion_model_family,
+        config_path=args.train_pipeline_config_path,
+        require_trainable=True,
+    )
+
+
+def load_transformer(args: Any, family: TrainPipelineConfig) -> torch.nn.Module:
+    """The DiT in the master dtype (`--fsdp-master-dtype`), in train mode."""
+    from miles.rollout.engines.diffusers_engine import quiet_loading
+
+    checkpoint = ensure_checkpoint(args.hf_checkpoint)
+    cls = family.load_transformer_class()
+    with quiet_loading():
+        model = cls.from_pretrained(
+            os.fspath(checkpoint), subfolder=family.transformer_subfolder, dtype=DTYPES[args.fsdp_master_dtype]
+        )
+    if args.gradient_checkpointing and hasattr(model, "enable_gradient_checkpointing"):
+        model.enable_gradient_checkpointing()
+    return model.train()
+
+
+def lora_targets(args: Any, family: TrainPipelineConfig) -> list[str]:
+    return list(args.lora_target_modules or family.lora_target_modules)
+
+
+def apply_lora(model: torch.nn.Module, args: Any, family: TrainPipelineConfig) -> torch.nn.Module:
+    """Attach one peft LoRA adapter ("default") and freeze everything else."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    init = args.lora_init_weights
+    init_arg: Any = True if init in ("kaiming-uniform", "kaiming_uniform", "true") else init
+    config = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        target_modules=lora_targets(args, family),
+        init_lora_weights=init_arg,
+        lora_dropout=0.0,
+    )
+    model.requires_grad_(False)
+    model = inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return model
+
+
+def shard(model: torch.nn.Module, args: Any) -> torch.nn.Module:
+    """FSDP2: shard every transformer block, then the root, with the dtype policy of the flags."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    forward = DTYPES[args.diffusion_forward_dtype]
+    master = DTYPES[args.fsdp_master_dtype]
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if forward == master else forward,
+        reduce_dtype=DTYPES[args.fsdp_reduce_dtype],
+        cast_forward_inputs=forward != master,
+    )
+    kwargs: dict[str, Any] = {"mp_policy": policy}
+    if args.fsdp_cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in getattr(model, "transformer_blocks", []):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full CPU tensor (gathers FSDP2 shards; call on every rank)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach().to("cpu").clone()
+    return out
+
+
+def merged_base_state_dict(state: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+    """LoRA folded into the base weights (W + alpha/r * B @ A), under the plain module names."""
+    scaling = args.lora_alpha / args.lora_rank
+    merged: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if "lora_" in name:
+            continue
+        if name.endswith(".base_layer.weight"):
+            prefix = name[: -len(".base_layer.weight")]
+            a = state.get(f"{prefix}.lora_A.default.weight")
+            b = state.get(f"{prefix}.lora_B.default.weight")
+            weight = tensor.float()
+            if a is not None and b is not None:
+                weight = weight + scaling * (b.float() @ a.float())
+            merged[f"{prefix}.weight"] = weight.to(tensor.dtype)
+        elif ".base_layer." in name:
+            merged[name.replace(".base_layer.", ".")] = tensor
+        else:
+            merged[name] = tensor
+    return merged
+
+
+def lora_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if "lora_" in k}

@@ -1,0 +1,84 @@
+"""From rollout samples to train pairs, optimizer windows, dp shards and micro-batches.
+
+A Flow-GRPO pair is one recorded SDE transition `(x_t, x_next, t, sigma, sigma_next, log_prob_old,
+advantage, conditions)`; an NFT pair is `(x0, sigma, advantage, conditions)` at a trained sigma; an
+SFT pair is `(x0, conditions)`. Pairs are listed sample-major. The samples of one rollout are cut into
+`num_steps_per_rollout` windows of `global_batch_size` samples (one optimizer step each); each window's
+pairs are split over the dp ranks (`contiguous` or `stride`), then into micro-batches of
+`micro_batch_size` pairs (flat), or 2D tiles of `micro_batch_size_sample` samples x
+`micro_batch_size_tstep` timesteps visited in `--diffusion-train-iter-order`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles.rollout.types import Sample
+
+
+@dataclass
+class Pair:
+    sample: Sample
+    step: int  # the denoising step (Flow-GRPO) or the trained sigma's position (NFT)
+    slot: int  # index into the sample's recorded log-probs (Flow-GRPO); -1 otherwise
+    sigma: float | None = None  # NFT: the trained sigma
+
+
+def expand_flow_grpo(samples: Sequence[Sample]) -> list[Pair]:
+    """Every recorded SDE transition of every kept sample, sample-major."""
+    pairs = []
+    for sample in samples:
+        if sample.remove_sample or sample.trajectory is None:
+            continue
+        for slot, step in enumerate(sample.trajectory.sde_step_indices):
+            pairs.append(Pair(sample, step, slot))
+    return pairs
+
+
+def windows(samples: Sequence[Sample], args: Any) -> list[list[Sample]]:
+    """`num_steps_per_rollout` optimizer windows of `global_batch_size` samples, in order."""
+    gbs = int(args.global_batch_size or len(samples))
+    return [list(samples[i : i + gbs]) for i in range(0, len(samples), gbs)]
+
+
+def dp_shard(items: Sequence[Any], rank: int, world: int, mode: str) -> list[Any]:
+    if world == 1:
+        return list(items)
+    if mode == "stride":
+        return list(items[rank::world])
+    per, extra = divmod(len(items), world)
+    start = rank * per + min(rank, extra)
+    return list(items[start : start + per + (1 if rank < extra else 0)])
+
+
+def micro_batches(pairs: Sequence[Pair], args: Any) -> list[list[Pair]]:
+    """Flat cut of `micro_batch_size` pairs, or the 2D tile samples x timesteps."""
+    s, t = args.micro_batch_size_sample, args.micro_batch_size_tstep
+    if s is None or t is None:
+        size = max(1, int(args.micro_batch_size))
+        return [list(pairs[i : i + size]) for i in range(0, len(pairs), size)]
+    by_sample: dict[int, list[Pair]] = {}
+    for pair in pairs:
+        by_sample.setdefault(id(pair.sample), []).append(pair)
+    rows = list(by_sample.values())
+    tiles = []
+    for r in range(0, len(rows), s):
+        block = rows[r : r + s]
+        depth = max(len(row) for row in block)
+        for c in range(0, depth, t):
+            tiles.append([p for row in block for p in row[c : c + t]])
+    if args.diffusion_train_iter_order == "timestep_major":
+        tiles.sort(key=lambda tile: min(p.step for p in tile))
+    return [tile for tile in tiles if tile]
+
+
+def stack_conditions(samples: Sequence[Sample], negative: bool) -> dict[str, torch.Tensor]:
+    """Batch the samples' stored condition rows (positive, or negative for CFG)."""
+    rows = [s.conditions.negative if negative else s.conditions.positive for s in samples]  # type: ignore[union-attr]
+    if any(r is None for r in rows):
+        raise ValueError("a sample has no negative conditions, but CFG is on")
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}  # type: ignore[index]

@@ -1,0 +1,123 @@
+"""SFT data: image + caption JSONL rows, encoded once into clean latents and prompt conditions.
+
+A row is `{"image": "path.png", "<input-key>": "caption", "metadata": {...}}`; a relative image
+path is relative to the JSONL file. Images are resized (center crop) to `--diffusion-height/width`
+and encoded with the pipeline's VAE (`--sft-encoder-checkpoint`, default `--hf-checkpoint`) into
+normalised latents; captions are encoded once each. A caption is replaced by the negative prompt's
+conditions with probability `SFT_CFG_DROPOUT`, so classifier-free guidance works at sampling time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from miles.config.errors import ConfigError
+from miles.rollout.types import Conditions, Sample
+
+SFT_CFG_DROPOUT = 0.1
+
+
+@dataclass
+class SFTDataset:
+    latents: torch.Tensor  # [N, C, h, w] normalised, fp32
+    conditions: list[Conditions]  # per row: positive = caption; negative = the empty prompt
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        return int(self.latents.shape[0])
+
+    def batch(self, rows: list[int], generator: torch.Generator) -> tuple[torch.Tensor, list[Sample]]:
+        """Clean latents and conditioning samples for `rows`, with caption dropout for CFG."""
+        drop = torch.rand(len(rows), generator=generator) < SFT_CFG_DROPOUT
+        samples = []
+        for k, (row, dropped) in enumerate(zip(rows, drop.tolist(), strict=True)):
+            cond = self.conditions[row]
+            positive = cond.negative if dropped and cond.negative is not None else cond.positive
+            samples.append(
+                Sample(
+                    index=k,
+                    group_index=row,
+                    prompt="" if dropped else self.prompts[row],
+                    metadata=self.metadata[row],
+                    conditions=Conditions(positive, None, 1.0),
+                )
+            )
+        return self.latents[rows], samples
+
+
+def read_rows(path: Path, input_key: str) -> list[dict[str, Any]]:
+    rows = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or "image" not in row or input_key not in row:
+            raise ConfigError(f"{path}:{line_no}: an SFT row needs 'image' and {input_key!r}")
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"{path}: no SFT rows")
+    return rows
+
+
+def _load_image(path: Path, size: tuple[int, int]) -> np.ndarray:
+    from PIL import Image
+
+    if not path.is_file():
+        raise ConfigError(f"SFT image not found: {path}")
+    image = Image.open(path).convert("RGB")
+    w, h = image.size
+    side = min(w, h)
+    image = image.crop(((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2))
+    image = image.resize((size[1], size[0]), Image.BICUBIC)
+    return np.asarray(image, dtype=np.float32) / 255.0
+
+
+@torch.no_grad()
+def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
+    from miles.data.builtin import is_builtin_dataset, resolve_dataset
+    from miles.models.checkpoints import ensure_checkpoint
+    from miles.models.tiny_sd3.metadata import max_sequence_length
+    from miles.rollout.engines.diffusers_engine import quiet_loading
+    from miles.training.model import family_of
+
+    spec = args.prompt_data
+    path = resolve_dataset(spec) if is_builtin_dataset(spec) else Path(spec)
+    rows = read_rows(path, args.input_key)
+    family = family_of(args)
+    checkpoint = ensure_checkpoint(args.sft_encoder_checkpoint or args.hf_checkpoint)
+    with quiet_loading():
+        pipe = family.load_pipeline_class().from_pretrained(checkpoint, transformer=None, dtype=torch.float32)
+    size = (int(args.diffusion_height), int(args.diffusion_width))
+    images = np.stack([_load_image((path.parent / r["image"]).resolve(), size) for r in rows])
+    pixels = torch.from_numpy(images).permute(0, 3, 1, 2) * 2 - 1
+    vae = pipe.vae
+    latents = []
+    for i in range(0, len(pixels), batch_size):
+        z = vae.encode(pixels[i : i + batch_size]).latent_dist.mean
+        latents.append((z - vae.config.shift_factor) * vae.config.scaling_factor)
+    max_len = max_sequence_length(checkpoint)
+    captions = [str(r[args.input_key]) for r in rows]
+    cache: dict[str, Conditions] = {}
+    for caption in dict.fromkeys(captions):
+        pos, neg = family.encode_prompts(pipe, [caption], args.diffusion_negative_prompt, True, max_len)
+        cache[caption] = Conditions(
+            {k: v[0].float() for k, v in pos.items()},
+            {k: v[0].float() for k, v in neg.items()} if neg is not None else None,
+            1.0,
+        )
+    return SFTDataset(
+        latents=torch.cat(latents).float(),
+        conditions=[cache[c] for c in captions],
+        prompts=captions,
+        metadata=[dict(r.get(args.metadata_key) or {}) for r in rows],
+    )

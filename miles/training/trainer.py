@@ -1,0 +1,363 @@
+"""The trainer: one rank of a trainer group. It never knows its role: a role is only its args.
+
+It loads the family's DiT from `--hf-checkpoint`, adds LoRA when asked, shards it with FSDP2 (gloo
+on CPU, nccl on GPU), and trains it with the loss `--loss-type` names, recomputing Flow-GRPO
+log-probs with the same `sde_step` the engine used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.algorithms.nft import nft_corrupt, nft_loss, nft_timesteps
+from miles.algorithms.policy_loss import policy_loss
+from miles.algorithms.sft_loss import noisy_latents, sample_sigmas, sft_loss
+from miles.config.errors import ConfigError
+from miles.rollout.sde import sde_step
+from miles.rollout.types import Sample
+from miles.training.model import (
+    DTYPES,
+    apply_lora,
+    family_of,
+    full_state_dict,
+    load_transformer,
+    merged_base_state_dict,
+    shard,
+)
+from miles.training.pairs import Pair, dp_shard, expand_flow_grpo, micro_batches, stack_conditions, windows
+
+
+def init_distributed(args: Any, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    if dist.is_initialized():
+        return
+    os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+    backend = args.distributed_backend if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=_minutes(args.distributed_timeout_minutes)
+    )
+
+
+def _minutes(n: int):
+    from datetime import timedelta
+
+    return timedelta(minutes=n)
+
+
+class Trainer:
+    def __init__(
+        self,
+        args: Any,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        total_steps: int = 1,
+    ) -> None:
+        from miles.training.optim import build_lr_scheduler, build_optimizer
+
+        if args.deterministic_mode:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.args, self.rank, self.world_size = args, rank, world_size
+        init_distributed(args, rank, world_size, master_addr, master_port)
+        torch.manual_seed(args.seed)
+        self.family = family_of(args)
+        model = load_transformer(args, self.family)
+        if args.use_lora:
+            model = apply_lora(model, args, self.family)
+        self.model = shard(model, args)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, args)
+        self.scheduler = build_lr_scheduler(self.optimizer, args, total_steps)
+        self.ema = None
+        if args.use_ema:
+            from miles.training.ema import EmaShadow
+
+            self.ema = EmaShadow.from_args(self._trainable_named(), args, module=self.model)
+        self.forward_dtype = DTYPES[args.diffusion_forward_dtype]
+        self.scaler = None
+        if args.diffusion_forward_dtype == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler()
+        self.global_step = 0
+        self.generator = torch.Generator().manual_seed(args.seed + 7919 * rank)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _trainable_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def velocity(
+        self, x: torch.Tensor, timesteps: torch.Tensor, samples: Sequence[Sample], cfg_scale: float | None
+    ) -> torch.Tensor:
+        """The family's DiT velocity, with classifier-free guidance when `cfg_scale > 1`."""
+        pos = stack_conditions(samples, negative=False)
+        if cfg_scale is not None and cfg_scale > 1.0:
+            neg = stack_conditions(samples, negative=True)
+            cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
+            out = self.family.forward_velocity(
+                self.model, torch.cat([x, x]).to(self.forward_dtype), timesteps.repeat(2), cond
+            )
+            v_neg, v_pos = out.float().chunk(2)
+            return self.family.cfg_combine(v_pos, v_neg, cfg_scale)
+        return self.family.forward_velocity(self.model, x.to(self.forward_dtype), timesteps, pos).float()
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Run the reference model: the LoRA base (adapter off) or the EMA weights."""
+        mode = self.args.ref_mode
+        if mode == "lora_base":
+            from peft.tuners.lora import LoraLayer
+
+            layers = [m for m in self.model.modules() if isinstance(m, LoraLayer)]
+            for layer in layers:
+                layer.enable_adapters(False)
+            try:
+                yield
+            finally:
+                for layer in layers:
+                    layer.enable_adapters(True)
+        elif mode == "ema":
+            if self.ema is None:
+                raise RuntimeError("--ref-mode ema needs --use-ema")
+            with self.ema.swapped_in(self._trainable_named(), module=self.model):
+                yield
+        else:
+            raise RuntimeError(f"no reference model under --ref-mode {mode}")
+
+    # ---- training --------------------------------------------------------------------------
+    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        """One rollout's optimizer steps; returns the mean metrics (names without the train/ prefix)."""
+        start = time.perf_counter()
+        loss_type = self.args.loss_type
+        totals: dict[str, list[float]] = {}
+        for window in windows(samples, self.args):
+            if loss_type == "policy_loss":
+                metrics = self._step(expand_flow_grpo(window), self._flow_grpo_micro)
+            elif loss_type == "nft":
+                metrics = self._step(self._expand_nft(window), self._nft_micro)
+            else:
+                raise NotImplementedError(f"--loss-type {loss_type} is not trained on rollouts")
+            for k, v in metrics.items():
+                totals.setdefault(k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in totals.items()}
+        out["train_time"] = time.perf_counter() - start
+        return out
+
+    def _step(self, pairs: list[Pair], micro_fn) -> dict[str, float]:
+        """Gradient accumulation over this rank's share of one window, then one optimizer step."""
+        from miles.training.optim import clip_grad_norm
+
+        mine = dp_shard(pairs, self.rank, self.world_size, self.args.train_dp_split_mode)
+        batches = micro_batches(mine, self.args)
+        n_pairs = max(1, len(mine))
+        sums: dict[str, float] = {}
+        skip = self.args.debug_skip_optimizer_step
+        for batch in batches:
+            weight = len(batch) / n_pairs
+            with torch.no_grad() if skip else contextlib.nullcontext():
+                loss, metrics = micro_fn(batch)
+            if not skip:
+                scaled = loss * weight
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+        if not skip:
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            sums["grad_norm"] = float(clip_grad_norm(self.params, self.args.clip_grad))
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.global_step += 1
+            if self.ema is not None:
+                self.ema.update(self._trainable_named(), module=self.model)
+        sums["lr"] = float(self.scheduler.get_lr())
+        return _all_reduce_mean(sums, self.world_size)
+
+    def _flow_grpo_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
+        samples = [p.sample for p in batch]
+        trajs = [s.trajectory for s in samples]
+        x = torch.stack([t.latents[p.step] for t, p in zip(trajs, batch, strict=True)]).float()
+        x_next = torch.stack([t.latents[p.step + 1] for t, p in zip(trajs, batch, strict=True)]).float()
+        ts = torch.stack([t.timesteps[p.step] for t, p in zip(trajs, batch, strict=True)])
+        sig = torch.stack([t.sigmas[p.step] for t, p in zip(trajs, batch, strict=True)])
+        sig_next = torch.stack([t.sigmas[p.step + 1] for t, p in zip(trajs, batch, strict=True)])
+        sig_max = torch.stack([t.sigmas[1] for t in trajs])
+        old = torch.stack([t.log_probs[p.slot] for t, p in zip(trajs, batch, strict=True)]).float()
+        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        cfg = samples[0].conditions.guidance_scale  # type: ignore[union-attr]
+        sde_type, noise = trajs[0].sde_type, trajs[0].noise_level
+
+        def step_of(v: torch.Tensor):
+            return sde_step(
+                v, x, sig, sig_next, sde_type=sde_type, noise_level=noise, sigma_max=sig_max, prev_sample=x_next
+            )
+
+        res = step_of(self.velocity(x, ts, samples, cfg))
+        mean_ref = None
+        kl_beta = self.args.diffusion_kl_beta
+        if kl_beta > 0:
+            with torch.no_grad(), self.reference():
+                mean_ref = step_of(self.velocity(x, ts, samples, cfg)).mean
+        if self.args.diffusion_recompute_old_log_prob:
+            old = res.log_prob.detach()
+        return policy_loss(
+            res.log_prob,
+            old,
+            adv,
+            clip_range=self.args.diffusion_clip_range,
+            adv_clip_max=self.args.diffusion_adv_clip_max,
+            kl_beta=kl_beta,
+            mean_new=res.mean,
+            mean_ref=mean_ref,
+            std_dev_t=res.std_dev_t,
+        )
+
+    def _expand_nft(self, samples: list[Sample]) -> list[Pair]:
+        pairs = []
+        for sample in samples:
+            if sample.remove_sample or sample.trajectory is None:
+                continue
+            sigmas = nft_timesteps(
+                sample.trajectory.sigmas,
+                self.args.diffusion_nft_timestep_fraction,
+                shuffle=not self.args.no_diffusion_nft_shuffle_timesteps,
+                generator=self.generator,
+            )
+            pairs.extend(Pair(sample, i, -1, float(s)) for i, s in enumerate(sigmas.reshape(-1).tolist()))
+        return pairs
+
+    def _nft_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
+        samples = [p.sample for p in batch]
+        x0 = torch.stack([s.trajectory.latents[-1] for s in samples]).float()  # type: ignore[union-attr]
+        t = torch.tensor([p.sigma for p in batch], dtype=torch.float32)
+        noise = torch.randn(x0.shape, generator=self.generator)
+        x_t = nft_corrupt(x0, t, noise)
+        timesteps = t * 1000.0
+        v_new = self.velocity(x_t, timesteps, samples, None)
+        with torch.no_grad(), self.reference():
+            v_old = self.velocity(x_t, timesteps, samples, None)
+        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        return nft_loss(
+            x0,
+            x_t,
+            t,
+            v_new,
+            v_old,
+            adv,
+            beta=self.args.diffusion_nft_beta,
+            adv_clip_max=self.args.diffusion_adv_clip_max,
+            adaptive_weight=not self.args.no_diffusion_nft_adaptive_weight,
+        )
+
+    def train_sft(self, x0: torch.Tensor, conditions: list[Sample]) -> dict[str, float]:
+        """One optimizer step of flow matching on clean latents `x0` with their samples' conditions."""
+        start = time.perf_counter()
+        pairs = [Pair(s, 0, i) for i, s in enumerate(conditions)]
+
+        def micro(batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
+            idx = [p.slot for p in batch]
+            clean = x0[idx].float()
+            sigma = sample_sigmas(len(batch), self.generator, shift=self.args.fsdp_flow_shift)
+            noise = torch.randn(clean.shape, generator=self.generator)
+            v = self.velocity(noisy_latents(clean, noise, sigma), sigma * 1000.0, [p.sample for p in batch], None)
+            return sft_loss(v, clean, noise, sigma)
+
+        metrics = self._step(pairs, micro)
+        metrics["train_time"] = time.perf_counter() - start
+        return metrics
+
+    # ---- weights out -----------------------------------------------------------------------
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engines should serve (LoRA merged; EMA under --ema-rollout-policy ema)."""
+        ctx = (
+            self.ema.swapped_in(self._trainable_named(), module=self.model)
+            if self.ema is not None and self.args.ema_rollout_policy == "ema"
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            state = full_state_dict(self.model)
+        return merged_base_state_dict(state, self.args) if self.args.use_lora else state
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str | None:
+        """Model (trainable weights, or all of them for a full fine-tune), optimizer, LR schedule, EMA,
+        RNG and `extra` (rollout id, data-source state), gathered to full tensors; rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        from miles.training.checkpoint import rng_state, save_checkpoint
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        if self.args.use_lora:
+            model_state = {k: v for k, v in model_state.items() if "lora_" in k}
+        parts: dict[str, Any] = {"model.pt": model_state, "lr_scheduler.pt": self.scheduler.state_dict()}
+        if not self.args.no_save_optim:
+            parts["optimizer.pt"] = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.ema is not None:
+            parts["ema.pt"] = self.ema.state_dict()
+        parts["rng.pt"] = {"global": rng_state(), "generator": self.generator.get_state()}
+        if self.rank != 0:
+            return None
+        json_parts = {"extra.json": {**extra, "global_step": self.global_step}}
+        return str(save_checkpoint(save_dir, step, parts, json_parts))
+
+    def load_checkpoint(self, load_dir: str, ckpt_step: int | None) -> dict[str, Any]:
+        """Restore what `save_checkpoint` wrote (minus --no-load-optim / --no-load-rng); returns `extra`."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from miles.training.checkpoint import load_checkpoint, set_rng_state
+
+        _, parts = load_checkpoint(load_dir, ckpt_step)
+        options = StateDictOptions(full_state_dict=True, strict=not self.args.use_lora)
+        set_model_state_dict(self.model, parts["model.pt"], options=options)
+        if not self.args.no_load_optim:
+            if "optimizer.pt" not in parts:
+                raise ConfigError(f"--load {load_dir}: the checkpoint has no optimizer state; add --no-load-optim")
+            set_optimizer_state_dict(self.model, self.optimizer, parts["optimizer.pt"], options=options)
+        self.scheduler.load_state_dict(parts["lr_scheduler.pt"])
+        if self.ema is not None and "ema.pt" in parts:
+            self.ema.load_state_dict(parts["ema.pt"])
+        if not self.args.no_load_rng and "rng.pt" in parts:
+            set_rng_state(parts["rng.pt"]["global"])
+            self.generator.set_state(parts["rng.pt"]["generator"])
+        extra = dict(parts.get("extra.json") or {})
+        self.global_step = int(extra.get("global_step", self.global_step))
+        return extra
+
+    def export_pipeline(self, out_dir: str) -> str | None:
+        """Rank 0 writes a complete pipeline directory with the trained transformer (all ranks gather)."""
+        from miles.training.export import export_pipeline
+
+        state = self.engine_weights()
+        if self.rank != 0:
+            return None
+        return str(export_pipeline(self.args, self.family, state, out_dir))
+
+
+def _all_reduce_mean(metrics: dict[str, float], world: int) -> dict[str, float]:
+    if world == 1 or not dist.is_initialized():
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(values)
+    return {k: float(v) / world for k, v in zip(keys, values.tolist(), strict=True)}
