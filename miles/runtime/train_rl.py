@@ -57,7 +57,7 @@ def run(resolved: ResolvedJob) -> int:
                 logger.log_images(rollout_id, *_images(args, batch.samples))
                 if save_due(args, rollout_id, num_rollout):
                     save(args, manager, group, rollout_id)
-        if has_eval_data(args) and start < num_rollout:
+        if has_eval_data(args) and args.eval_interval and start < num_rollout:
             logger.log(num_rollout, run_eval(args, manager, out, num_rollout))
         target = Path(args.output_dir) / "checkpoint"
         group.call("export_pipeline", str(target))
