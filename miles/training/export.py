@@ -45,3 +45,27 @@ def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_
             )
         transformer.save_pretrained(tmp / family.transformer_subfolder)
     return out
+
+
+def export_lora(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
+    """The trained LoRA in diffusers/peft format (`pytorch_lora_weights.safetensors` + its LoraConfig),
+    loadable with `pipeline.load_lora_weights(out_dir)`."""
+    from miles.training.model import lora_targets
+
+    layers = {k.replace(".default", ""): v.contiguous() for k, v in state.items() if "lora_" in k}
+    if not layers:
+        raise ValueError("export_lora: the model has no LoRA weights (train with --use-lora)")
+    metadata = {
+        "r": args.lora_rank,
+        "lora_alpha": args.lora_alpha,
+        "target_modules": lora_targets(args, family),
+        "init_lora_weights": True,
+    }
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    with atomic_directory(out) as tmp:
+        family.load_pipeline_class().save_lora_weights(
+            tmp, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata
+        )
+    return out

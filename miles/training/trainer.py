@@ -344,6 +344,15 @@ class Trainer:
         self.global_step = int(extra.get("global_step", self.global_step))
         return extra
 
+    def export_lora(self, out_dir: str) -> str | None:
+        """Rank 0 writes the LoRA adapter in diffusers format (all ranks gather)."""
+        from miles.training.export import export_lora
+
+        state = full_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        return str(export_lora(self.args, self.family, state, out_dir))
+
     def export_pipeline(self, out_dir: str) -> str | None:
         """Rank 0 writes a complete pipeline directory with the trained transformer (all ranks gather)."""
         from miles.training.export import export_pipeline

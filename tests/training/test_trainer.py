@@ -113,3 +113,22 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tiny_sd3_dir: 
     assert again["loss"] == pytest.approx(expected_next["loss"], rel=1e-6, abs=1e-12)
     weights = restored.engine_weights()
     assert max((weights[k] - expected[k]).abs().max().item() for k in expected) <= 1e-6
+
+
+def test_lora_export_loads_with_diffusers_load_lora_weights(tiny_sd3_dir: Path, rollout, tmp_path) -> None:
+    from diffusers import StableDiffusion3Pipeline
+
+    _, batch = rollout
+    args = _args(tiny_sd3_dir, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2, lora_init_weights="gaussian")
+    trainer = Trainer(args, master_port=_port())
+    trainer.train(0, batch.samples)
+    merged = trainer.engine_weights()
+    out = trainer.export_lora(str(tmp_path / "lora"))
+    assert (Path(out) / "pytorch_lora_weights.safetensors").is_file()
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    pipe.load_lora_weights(out)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # keeps the fused weights under their plain names
+    fused = pipe.transformer.state_dict()
+    key = "transformer_blocks.0.attn.to_q.weight"
+    assert torch.allclose(fused[key].float(), merged[key].float(), atol=1e-5)

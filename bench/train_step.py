@@ -1,0 +1,100 @@
+"""Trainer step speed: miles' FSDP2 trainer against a bare PyTorch loop of the same loss and optimizer.
+
+Both train the tiny-sd3 transformer (full fine-tune, fp32, CPU) on the same Flow-GRPO pairs of one
+rollout (CFG, recomputed SDE log-probs, PPO-clip loss, AdamW, grad clipping), micro-batch by
+micro-batch with gradient accumulation, one optimizer step per window. The bare loop is a plain
+`nn.Module` with no sharding, no process group and no bookkeeping. Prints medians and the ratio
+(goal: <= 1.10).
+
+    python bench/train_step.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    opts = parser.parse_args()
+
+    from miles.algorithms.policy_loss import policy_loss
+    from miles.config.resolve import resolve
+    from miles.models.checkpoints import ensure_checkpoint
+    from miles.rollout.manager import RolloutManager
+    from miles.rollout.sde import sde_step
+    from miles.training.model import family_of, load_transformer
+    from miles.training.optim import clip_grad_norm
+    from miles.training.pairs import expand_flow_grpo, micro_batches, stack_conditions
+    from miles.training.trainer import Trainer
+
+    checkpoint = ensure_checkpoint("tiny-sd3")
+    cli = {"hf_checkpoint": str(checkpoint), "global_batch_size": 64, "micro_batch_size": 32, "lr": 1e-4}
+    args = resolve("rl", recipe="tiny-digits-grpo", cli=cli).args
+    samples = RolloutManager(args).generate(0).samples
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = Trainer(args, 0, 1, "127.0.0.1", port, total_steps=100)
+
+    family = family_of(args)
+    model = load_transformer(args, family)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps
+    )
+    pairs = expand_flow_grpo(samples)
+
+    def bare() -> None:
+        batches = micro_batches(pairs, args)
+        for batch in batches:
+            ss = [p.sample for p in batch]
+            tr = [s.trajectory for s in ss]
+            x = torch.stack([t.latents[p.step] for t, p in zip(tr, batch, strict=True)])
+            x_next = torch.stack([t.latents[p.step + 1] for t, p in zip(tr, batch, strict=True)])
+            ts = torch.stack([t.timesteps[p.step] for t, p in zip(tr, batch, strict=True)])
+            sig = torch.stack([t.sigmas[p.step] for t, p in zip(tr, batch, strict=True)])
+            sig_next = torch.stack([t.sigmas[p.step + 1] for t, p in zip(tr, batch, strict=True)])
+            old = torch.stack([t.log_probs[p.slot] for t, p in zip(tr, batch, strict=True)])
+            pos, neg = stack_conditions(ss, False), stack_conditions(ss, True)
+            cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
+            out = model(hidden_states=torch.cat([x, x]), timestep=ts.repeat(2), return_dict=False, **cond)[0]
+            v_neg, v_pos = out.chunk(2)
+            v = v_neg + 4.0 * (v_pos - v_neg)
+            res = sde_step(
+                v, x, sig, sig_next, sde_type="sde", noise_level=0.7, sigma_max=tr[0].sigmas[1], prev_sample=x_next
+            )
+            adv = torch.tensor([s.advantage for s in ss])
+            loss, _ = policy_loss(res.log_prob, old, adv, clip_range=1e-4, adv_clip_max=5.0)
+            (loss * len(batch) / len(pairs)).backward()
+        clip_grad_norm(list(model.parameters()), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def ours() -> None:
+        trainer.train(0, samples)
+
+    times: dict[str, list[float]] = {"bare": [], "ours": []}
+    bare()
+    ours()  # warm-up
+    for _ in range(opts.repeats):
+        for name, fn in (("bare", bare), ("ours", ours)):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    bare_s, ours_s = statistics.median(times["bare"]), statistics.median(times["ours"])
+    print(f"tiny-sd3 full fine-tune, {len(pairs)} Flow-GRPO pairs per step, micro-batch 32, CFG 4.0, fp32 CPU")
+    print(f"bare PyTorch loop (nn.Module + AdamW)  {bare_s * 1000:8.1f} ms")
+    print(f"miles Trainer.train (FSDP2, gloo)      {ours_s * 1000:8.1f} ms")
+    print(f"ratio ours/bare                        {ours_s / bare_s:8.3f}  (goal <= 1.10)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
