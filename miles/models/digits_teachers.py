@@ -13,7 +13,7 @@ from pathlib import Path
 
 SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft": 1000,  # optimizer steps at batch 64
-    "tiny-sd3-digits-sft-short": 150,
+    "tiny-sd3-digits-sft-short": 450,
 }
 
 

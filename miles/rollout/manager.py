@@ -40,7 +40,8 @@ def build_requests(
     for group in groups:
         for start in range(0, len(group), size):
             micro = group[start : start + size]
-            if evaluation:
+            deterministic = args.diffusion_sde_type == "ode" or float(args.diffusion_noise_level) == 0.0
+            if evaluation or deterministic:  # no stochastic step: nothing for a strategy to choose
                 sde_steps: list[list[int]] = [[] for _ in micro]
             else:
                 sde_steps = [select_steps(args, s, num_steps, s.seed, strategy)[0] for s in micro]

@@ -204,12 +204,13 @@ class Trainer:
                 v, x, sig, sig_next, sde_type=sde_type, noise_level=noise, sigma_max=sig_max, prev_sample=x_next
             )
 
-        res = step_of(self.velocity(x, ts, samples, cfg))
+        # The reference forward runs first: swapping weights (EMA) must not happen under a live graph.
         mean_ref = None
         kl_beta = self.args.diffusion_kl_beta
         if kl_beta > 0:
             with torch.no_grad(), self.reference():
                 mean_ref = step_of(self.velocity(x, ts, samples, cfg)).mean
+        res = step_of(self.velocity(x, ts, samples, cfg))
         if self.args.diffusion_recompute_old_log_prob:
             old = res.log_prob.detach()
         return policy_loss(
@@ -245,9 +246,9 @@ class Trainer:
         noise = torch.randn(x0.shape, generator=self.generator)
         x_t = nft_corrupt(x0, t, noise)
         timesteps = t * 1000.0
-        v_new = self.velocity(x_t, timesteps, samples, None)
-        with torch.no_grad(), self.reference():
+        with torch.no_grad(), self.reference():  # before the trained forward: see _flow_grpo_micro
             v_old = self.velocity(x_t, timesteps, samples, None)
+        v_new = self.velocity(x_t, timesteps, samples, None)
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         return nft_loss(
             x0,

@@ -200,12 +200,12 @@ def test_unknown_recipe_suggests_a_shipped_one(cli: Run) -> None:
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("miles.runtime.train_rl") is not None, reason="the train rl runtime exists now"
+    importlib.util.find_spec("miles.runtime.train_dmd2") is not None, reason="the train dmd2 runtime exists now"
 )
-def test_train_prints_the_table_then_exits_3_without_a_runtime(cli: Run) -> None:
-    code, out, err = cli("train", "rl", "--recipe", "tiny-digits-grpo")
+def test_train_prints_the_tables_then_exits_3_without_a_runtime(cli: Run) -> None:
+    code, out, err = cli("train", "dmd2", "--recipe", "tiny-digits-4step")
     assert code == 3
-    assert "actor (train rl)" in out
+    assert "critic (train dmd2)" in out and "actor (train dmd2)" in out
     assert "--rollout-batch-size" in out
     assert "not available" in err
 

@@ -53,6 +53,9 @@ def check_sampler(res: Resolution, job: JobSpec) -> None:
     strategy = res["diffusion_step_strategy_path"] or ""
     if strategy.endswith(".epoch_global_random_choice") and candidates is None:
         res.fail(f"{res.show('diffusion_step_strategy_path')} requires --diffusion-sde-candidate-steps")
+    stochastic = res["diffusion_sde_type"] != "ode" and res["diffusion_noise_level"] > 0
+    if strategy.endswith(".sde_window") and stochastic and res["diffusion_num_sde_steps"] == 0:
+        res.fail(f"{res.show('diffusion_step_strategy_path')} needs --diffusion-num-sde-steps > 0 (the window size)")
     if strategy.endswith(".sde_window"):
         lo, hi = window if window is not None else (0, num_steps)
         if res["diffusion_num_sde_steps"] > hi - lo:
