@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.io.images import save_grid
 from miles.io.loggers import MetricsLogger
-from miles.runtime.output import prepare_inputs, prepare_output_dir
-from miles.runtime.ray_setup import init_ray
+from miles.runtime.session import ray_job
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -30,17 +29,9 @@ def save_eval_grids(args: Any, out: Any, by_name: dict[str, list[Any]], tag: str
 def run(resolved: ResolvedJob) -> int:
     import ray
 
-    from miles.rollout.manager import manager_actor_class
-
     args = resolved.args
-    out = prepare_output_dir(resolved)
-    prepare_inputs(args)
-    init_ray(args)
-    try:
-        manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
+    with ray_job(resolved, args) as (out, manager):
         metrics, by_name = ray.get(manager.evaluate.remote())
-    finally:
-        ray.shutdown()
     with MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None) as logger:
         logger.log(0, metrics)
     save_eval_grids(args, out, by_name)

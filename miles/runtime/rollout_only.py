@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 
 from miles.io.loggers import MetricsLogger
 from miles.io.rollout_file import format_rollout_path, save_rollout
-from miles.runtime.output import prepare_inputs, prepare_output_dir
 from miles.runtime.progress import progress_bar
-from miles.runtime.ray_setup import init_ray
+from miles.runtime.session import ray_job
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -21,14 +20,8 @@ if TYPE_CHECKING:
 def run(resolved: ResolvedJob) -> int:
     import ray
 
-    from miles.rollout.manager import manager_actor_class
-
     args = resolved.args
-    out = prepare_output_dir(resolved)
-    prepare_inputs(args)
-    init_ray(args)
-    try:
-        manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
+    with ray_job(resolved, args) as (out, manager):
         num_rollout = args.num_rollout or ray.get(manager.num_rollout.remote())
         start = args.start_rollout_id or 0
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
@@ -44,7 +37,5 @@ def run(resolved: ResolvedJob) -> int:
                 logger.log_images(rollout_id, [s.image for s in batch.samples], labels)
                 advance(logger.log(rollout_id, batch.metrics))
         logger.close()
-    finally:
-        ray.shutdown()
     print(f"miles: wrote {num_rollout - start} rollouts to {out}")
     return 0

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.io.loggers import MetricsLogger
-from miles.runtime.output import prepare_inputs, prepare_output_dir
 from miles.runtime.progress import progress_bar
-from miles.runtime.ray_setup import init_ray
+from miles.runtime.session import ray_job
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -32,15 +31,10 @@ def train_metrics(metrics: dict[str, float]) -> dict[str, float]:
 def run(resolved: ResolvedJob) -> int:
     import ray
 
-    from miles.rollout.manager import manager_actor_class
     from miles.runtime.trainer_group import TrainerGroup
 
     args = resolved.trainer_args["actor"]
-    out = prepare_output_dir(resolved)
-    prepare_inputs(args)
-    init_ray(args)
-    try:
-        manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
+    with ray_job(resolved, args) as (out, manager):
         num_rollout = args.num_rollout or ray.get(manager.num_rollout.remote())
         total_steps = max(1, num_rollout * int(args.num_steps_per_rollout or 1))
         group = TrainerGroup(args, "actor", total_steps)
@@ -62,10 +56,7 @@ def run(resolved: ResolvedJob) -> int:
         target = Path(args.output_dir) / "checkpoint"
         group.call("export_pipeline", str(target))
         print(f"miles: exported the trained pipeline to {target}")
-    finally:
-        if "logger" in locals():
-            logger.close()
-        ray.shutdown()
+        logger.close()
     print(f"miles: train rl finished {num_rollout - start} rollouts; metrics in {out / 'metrics.jsonl'}")
     return 0
 
