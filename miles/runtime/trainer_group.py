@@ -37,6 +37,9 @@ class TrainerActor:
     def ready(self) -> bool:
         return True
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]:
         return self.trainer.train(rollout_id, samples)
 
