@@ -34,7 +34,7 @@ def t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
-def close(actual, expected, tol=1e-9) -> None:
+def assert_close(actual, expected, tol=1e-9) -> None:
     assert torch.allclose(torch.as_tensor(actual, dtype=torch.float64), t(expected), atol=tol, rtol=0), (
         actual,
         expected,
@@ -42,12 +42,12 @@ def close(actual, expected, tol=1e-9) -> None:
 
 
 def test_hand_example_per_group_std() -> None:
-    close(grpo_advantages(t(REWARDS), 3), PER_GROUP)
+    assert_close(grpo_advantages(t(REWARDS), 3), PER_GROUP)
     assert PER_GROUP[0] == pytest.approx(-0.755900, abs=1e-6)
 
 
 def test_hand_example_global_std() -> None:
-    close(grpo_advantages(t(REWARDS), 3, globalize_std=True), GLOBAL_STD_ADV)
+    assert_close(grpo_advantages(t(REWARDS), 3, globalize_std=True), GLOBAL_STD_ADV)
     assert abs(GLOBAL_STD - 2.280351) < 1e-6
 
 
@@ -60,15 +60,15 @@ def test_group_mean_is_zero(globalize_std: bool) -> None:
 
 def test_global_mean_and_no_std() -> None:
     adv = grpo_advantages(t(REWARDS), 3, globalize_mean=True, std_normalization=False)
-    close(adv, [r - 4.0 for r in REWARDS])
+    assert_close(adv, [r - 4.0 for r in REWARDS])
     adv = grpo_advantages(t(REWARDS), 3, globalize_mean=True, globalize_std=True)
-    close(adv, [(r - 4.0) / (GLOBAL_STD + EPS) for r in REWARDS])
-    close(grpo_advantages(t(REWARDS), 3, std_normalization=False), [-2, -1, 3, -1, -1, 2])
+    assert_close(adv, [(r - 4.0) / (GLOBAL_STD + EPS) for r in REWARDS])
+    assert_close(grpo_advantages(t(REWARDS), 3, std_normalization=False), [-2, -1, 3, -1, -1, 2])
 
 
 def test_n_equal_one_disables_std() -> None:
-    close(grpo_advantages(t([1.0, 5.0, 2.0]), 1), [0.0, 0.0, 0.0])  # per-group mean of a single sample
-    close(grpo_advantages(t([1.0, 5.0, 3.0]), 1, globalize_mean=True, globalize_std=True), [-2.0, 2.0, 0.0])
+    assert_close(grpo_advantages(t([1.0, 5.0, 2.0]), 1), [0.0, 0.0, 0.0])  # per-group mean of a single sample
+    assert_close(grpo_advantages(t([1.0, 5.0, 3.0]), 1, globalize_mean=True, globalize_std=True), [-2.0, 2.0, 0.0])
 
 
 def test_incomplete_group_is_an_error() -> None:
@@ -80,7 +80,7 @@ def test_int_input_becomes_float32() -> None:
     adv = grpo_advantages(torch.tensor([0, 1, 1, 0]), 2)
     assert adv.dtype == torch.float32
     a = 0.5 / (math.sqrt(0.5) + EPS)  # each group: mean 0.5, unbiased std sqrt(0.5)
-    close(adv.double(), [-a, a, a, -a], tol=1e-6)
+    assert_close(adv.double(), [-a, a, a, -a], tol=1e-6)
 
 
 # --- flow_grpo PerPromptStatTracker (reference D.6.1) ------------------------------------------
@@ -89,12 +89,12 @@ def test_int_input_becomes_float32() -> None:
 def test_per_prompt_tracker_reference_numbers() -> None:
     prompts = ["a", "b", "a", "c", "b", "a"]
     rewards = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
-    close(
+    assert_close(
         per_prompt_advantages(prompts, rewards, global_std=False),
         [-1.135495, -0.999933, -0.162214, 0.0, 0.999933, 1.297708],
         tol=1e-6,
     )
-    close(
+    assert_close(
         per_prompt_advantages(prompts, rewards, global_std=True),
         [-1.366180, -0.878259, -0.195169, 0.0, 0.878259, 1.561349],
         tol=1e-6,
@@ -130,23 +130,23 @@ def test_post_process_sets_advantages() -> None:
     samples = make_samples(REWARDS, 3)
     raw, adv = post_process_rewards(make_args(), samples)
     assert raw == REWARDS
-    close(adv, PER_GROUP)
-    close([s.advantage for s in samples], PER_GROUP)
+    assert_close(adv, PER_GROUP)
+    assert_close([s.advantage for s in samples], PER_GROUP)
     raw, adv = post_process_rewards(make_args(globalize_reward_std=True), samples)
-    close(adv, GLOBAL_STD_ADV)
+    assert_close(adv, GLOBAL_STD_ADV)
     raw, adv = post_process_rewards(make_args(disable_grpo_std_normalization=True), samples)
-    close(adv, [-2, -1, 3, -1, -1, 2])
+    assert_close(adv, [-2, -1, 3, -1, -1, 2])
     raw, adv = post_process_rewards(
         make_args(globalize_reward_mean=True, disable_grpo_std_normalization=True), samples
     )
-    close(adv, [r - 4.0 for r in REWARDS])
+    assert_close(adv, [r - 4.0 for r in REWARDS])
 
 
 def test_post_process_dict_rewards_use_reward_key() -> None:
     samples = make_samples([{"a": r, "b": 0.0} for r in REWARDS], 3)
     raw, adv = post_process_rewards(make_args(reward_key="a"), samples)
     assert raw == REWARDS
-    close(adv, PER_GROUP)
+    assert_close(adv, PER_GROUP)
     with pytest.raises(ValueError, match="--reward-key"):
         post_process_rewards(make_args(), samples)
 
@@ -156,7 +156,7 @@ def test_removed_samples_still_count() -> None:
     samples[2].remove_sample = True
     samples[3].remove_sample = True
     _, adv = post_process_rewards(make_args(), samples)
-    close(adv, PER_GROUP)
+    assert_close(adv, PER_GROUP)
 
 
 def test_post_process_checks_group_layout() -> None:
