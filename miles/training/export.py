@@ -2,7 +2,8 @@
 
 The export is the base pipeline (`--hf-checkpoint`) with the transformer replaced by the trained
 one (LoRA merged), so it loads with `from_pretrained` and serves as `--hf-checkpoint` of a later
-job (eval, or the start of RL from an SFT teacher). Written atomically.
+job (eval, or the start of RL from an SFT teacher). The other components are symlinks to the base
+pipeline's. Written atomically.
 """
 
 from __future__ import annotations
@@ -18,25 +19,37 @@ from miles.models.checkpoints import ensure_checkpoint
 from miles.utils.paths import atomic_directory
 
 
+def local_pipeline_dir(checkpoint: str | os.PathLike) -> Path | None:
+    """The local directory of a checkpoint: itself, or its copy in the Hugging Face cache (no download)."""
+    path = ensure_checkpoint(checkpoint)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(checkpoint), local_files_only=True))
+    except Exception:
+        return None
+
+
 def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
+    """The base pipeline with the trained transformer. The unchanged components are symlinks to the base
+    (cheap for SD3.5-class models); when the base is not on this machine only the transformer is written."""
     from miles.rollout.engines.diffusers_engine import quiet_loading
 
-    base = ensure_checkpoint(args.hf_checkpoint)
+    base = local_pipeline_dir(args.hf_checkpoint)
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
     with atomic_directory(out) as tmp:
-        for entry in base.iterdir():
-            if entry.name == family.transformer_subfolder:
-                continue
-            target = tmp / entry.name
-            if entry.is_dir():
-                shutil.copytree(entry, target)
-            else:
-                shutil.copy2(entry, target)
+        if base is not None:
+            for entry in base.iterdir():
+                if entry.name != family.transformer_subfolder:
+                    os.symlink(entry.resolve(), tmp / entry.name, target_is_directory=entry.is_dir())
+        source = os.fspath(base) if base is not None else str(args.hf_checkpoint)
         with quiet_loading():
             transformer = family.load_transformer_class().from_pretrained(
-                os.fspath(base), subfolder=family.transformer_subfolder
+                source, subfolder=family.transformer_subfolder
             )
         missing, unexpected = transformer.load_state_dict(state, strict=False)
         if unexpected or missing:
