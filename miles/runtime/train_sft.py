@@ -2,7 +2,7 @@
 
 Each iteration (`--num-rollout` of them) draws `global_batch_size` rows (shuffled per epoch with
 `--seed`) and makes one optimizer step per `num_steps_per_rollout`. At the end the trained pipeline
-is exported to `<output-dir>/checkpoint` (or `--save`), loadable with `from_pretrained`.
+is exported to `<output-dir>/checkpoint`, loadable with `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ class RowSampler:
         return rows
 
 
-def export_dir(args) -> Path:
-    return Path(args.save) if args.save else Path(args.output_dir) / "checkpoint"
-
-
 def run(resolved: ResolvedJob) -> int:
     import ray
 
@@ -81,7 +77,7 @@ def run(resolved: ResolvedJob) -> int:
                 line = logger.log(it, metrics)
                 advance(line if it % every == 0 or it == num_iters - 1 else "")
         logger.close()
-        target = export_dir(args)
+        target = Path(args.output_dir) / "checkpoint"
         group.call("export_pipeline", str(target))
         print(f"miles: exported the trained pipeline to {target}")
     finally:
