@@ -7,23 +7,13 @@ import pickle
 from typing import Any
 
 import pytest
+from jobs_helpers import BASE
 
 from miles.config.args import Args
 from miles.config.errors import ConfigError
 from miles.config.recipes import shipped_recipes
 from miles.config.resolve import ResolvedJob, resolve
 from miles.config.trainer_config import TrainerConfig, compute_trainer_args, compute_trainer_configs
-
-BASE: dict[str, Any] = {
-    "hf_checkpoint": "tiny-sd3",
-    "prompt_data": "p.jsonl",
-    "rm_type": "digit",
-    "rollout_batch_size": 8,
-    "n_samples_per_prompt": 4,
-    "diffusion_num_sde_steps": 2,
-    "actor_num_gpus_per_node": 1,
-    "num_gpus_per_node": 1,
-}
 
 
 def run(job: str, **cli: Any) -> ResolvedJob:
