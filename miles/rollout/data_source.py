@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,20 +63,17 @@ def _keys(row: dict[str, Any], limit: int = 8) -> str:
     return (shown + f", ... ({len(keys)} keys)") if len(keys) > limit else (shown or "none")
 
 
-def load_prompt_jsonl(
-    path: str | os.PathLike,
-    input_key: str = "input",
-    metadata_key: str | None = "metadata",
-) -> list[PromptRecord]:
-    """Read a prompt JSONL file; every problem is a one-line ConfigError naming `file:line`."""
+def iter_jsonl_objects(
+    path: str | os.PathLike, what: str = "prompt data"
+) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """`(file:line, line, object)` for every non-blank line of a JSONL file; any problem is a one-line ConfigError."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"prompt data file not found: {path}")
+        raise ConfigError(f"{what} file not found: {path}")
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read prompt data file {path}: {exc.strerror or exc}") from None
-    records: list[PromptRecord] = []
+        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
     for lineno, raw_bytes in enumerate(data.split(b"\n"), start=1):
         where = f"{path}:{lineno}"
         try:
@@ -91,6 +88,17 @@ def load_prompt_jsonl(
             raise ConfigError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {_kind(row)}")
+        yield where, lineno, row
+
+
+def load_prompt_jsonl(
+    path: str | os.PathLike,
+    input_key: str = "input",
+    metadata_key: str | None = "metadata",
+) -> list[PromptRecord]:
+    """Read a prompt JSONL file; every problem is a one-line ConfigError naming `file:line`."""
+    records: list[PromptRecord] = []
+    for where, lineno, row in iter_jsonl_objects(path):
         if input_key not in row:
             raise ConfigError(f"{where}: missing key {input_key!r} (--input-key); keys: {_keys(row)}")
         prompt = row[input_key]

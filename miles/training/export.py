@@ -35,7 +35,7 @@ def local_pipeline_dir(checkpoint: str | os.PathLike) -> Path | None:
 def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
     """The base pipeline with the trained transformer. The unchanged components are symlinks to the base
     (cheap for SD3.5-class models); when the base is not on this machine only the transformer is written."""
-    from miles.rollout.engines.diffusers_engine import quiet_loading
+    from miles.models.loading import quiet_loading
 
     base = local_pipeline_dir(args.hf_checkpoint)
     out = Path(out_dir)

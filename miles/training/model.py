@@ -25,7 +25,7 @@ def family_of(args: Any) -> TrainPipelineConfig:
 
 def load_transformer(args: Any, family: TrainPipelineConfig) -> torch.nn.Module:
     """The DiT in the master dtype (`--fsdp-master-dtype`), in train mode."""
-    from miles.rollout.engines.diffusers_engine import quiet_loading
+    from miles.models.loading import quiet_loading
 
     checkpoint = ensure_checkpoint(args.hf_checkpoint)
     cls = family.load_transformer_class()

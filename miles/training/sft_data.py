@@ -9,7 +9,6 @@ conditions with probability `SFT_CFG_DROPOUT`, so classifier-free guidance works
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from miles.config.errors import ConfigError
+from miles.rollout.data_source import iter_jsonl_objects
 from miles.rollout.types import Conditions, Sample
 
 SFT_CFG_DROPOUT = 0.1
@@ -54,15 +54,9 @@ class SFTDataset:
 
 def read_rows(path: Path, input_key: str) -> list[dict[str, Any]]:
     rows = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or "image" not in row or input_key not in row:
-            raise ConfigError(f"{path}:{line_no}: an SFT row needs 'image' and {input_key!r}")
+    for where, _, row in iter_jsonl_objects(path, "SFT data"):
+        if "image" not in row or input_key not in row:
+            raise ConfigError(f"{where}: an SFT row needs 'image' and {input_key!r} (--input-key)")
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: no SFT rows")
@@ -86,8 +80,8 @@ def _load_image(path: Path, size: tuple[int, int]) -> np.ndarray:
 def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     from miles.data.builtin import is_builtin_dataset, resolve_dataset
     from miles.models.checkpoints import ensure_checkpoint
+    from miles.models.loading import quiet_loading
     from miles.models.tiny_sd3.metadata import max_sequence_length
-    from miles.rollout.engines.diffusers_engine import quiet_loading
     from miles.training.model import family_of
 
     spec = args.prompt_data

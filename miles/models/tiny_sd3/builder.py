@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles.models.loading import quiet_loading
 from miles.models.tiny_sd3 import components as C
 from miles.models.tiny_sd3.metadata import (
     FORMAT_VERSION,
@@ -160,7 +161,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
                 text_encoder_3=te3,
                 tokenizer_3=t5_tok,
             )
-            with _quiet_hf_progress():
+            with quiet_loading():
                 pipe.save_pretrained(tmp)
         params = {
             "transformer": C.count_params(transformer),
@@ -181,20 +182,6 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
         _write_metadata(tmp, seed, vae_steps, shift, scale, report)
         bar.describe("done")
     return report
-
-
-@contextmanager
-def _quiet_hf_progress() -> Iterator[None]:
-    """Silence transformers' per-file 'Writing model shards' bars while saving."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: float, report: BuildReport) -> None:

@@ -8,16 +8,15 @@ on the steps the step strategy chose, so with noise level 0 it reproduces the pl
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from miles.models.checkpoints import ensure_checkpoint
 from miles.models.families import resolve_family
+from miles.models.loading import quiet_loading
 from miles.models.tiny_sd3.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.sde import scheduler_schedule, sde_step
@@ -187,26 +186,6 @@ class DiffusersEngine:
                 )
             )
         return samples
-
-
-@contextlib.contextmanager
-def quiet_loading() -> Iterator[None]:
-    """No per-component progress bars or info logs while a pipeline loads."""
-    from diffusers.utils import logging as dlog
-    from transformers.utils import logging as tlog
-
-    levels = (dlog.get_verbosity(), tlog.get_verbosity())
-    dlog.set_verbosity_error()
-    tlog.set_verbosity_error()
-    dlog.disable_progress_bar()
-    tlog.disable_progress_bar()
-    try:
-        yield
-    finally:
-        dlog.set_verbosity(levels[0])
-        tlog.set_verbosity(levels[1])
-        dlog.enable_progress_bar()
-        tlog.enable_progress_bar()
 
 
 def engine_actor_class() -> Any:
