@@ -10,11 +10,10 @@ log-prob of every SDE transition. Prints the medians and the ratio (goal: <= 1.0
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
+from bench_timing import interleaved_medians
 
 
 def main() -> int:
@@ -70,15 +69,8 @@ def main() -> int:
                 output_type="pt",
             )
 
-    times: dict[str, list[float]] = {"plain": [], "ours": []}
-    for fn in (plain, ours):  # warm-up
-        fn()
-    for _ in range(opts.repeats):  # interleaved, so drift hits both alike
-        for name, fn in (("plain", plain), ("ours", ours)):
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    plain_s, ours_s = statistics.median(times["plain"]), statistics.median(times["ours"])
+    medians = interleaved_medians({"plain": plain, "ours": ours}, opts.repeats)
+    plain_s, ours_s = medians["plain"], medians["ours"]
     print(f"tiny-sd3, {opts.steps} steps, batch {opts.batch}, 64x64, CFG 4.0, {opts.sde_steps} SDE steps recorded")
     print(f"plain StableDiffusion3Pipeline.__call__  {plain_s * 1000:8.1f} ms")
     print(f"miles DiffusersEngine.generate          {ours_s * 1000:8.1f} ms")

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import socket
-import statistics
 import sys
-import time
 
 import torch
+from bench_timing import interleaved_medians
 
 
 def main() -> int:
@@ -80,15 +79,8 @@ def main() -> int:
     def ours() -> None:
         trainer.train(0, samples)
 
-    times: dict[str, list[float]] = {"bare": [], "ours": []}
-    bare()
-    ours()  # warm-up
-    for _ in range(opts.repeats):
-        for name, fn in (("bare", bare), ("ours", ours)):
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    bare_s, ours_s = statistics.median(times["bare"]), statistics.median(times["ours"])
+    medians = interleaved_medians({"bare": bare, "ours": ours}, opts.repeats)
+    bare_s, ours_s = medians["bare"], medians["ours"]
     print(f"tiny-sd3 full FT, {len(pairs)} Flow-GRPO pairs in one optimizer step, micro-batch 32, CFG 4.0, fp32 CPU")
     print(f"bare PyTorch loop (nn.Module + AdamW)  {bare_s * 1000:8.1f} ms")
     print(f"miles Trainer.train (FSDP2, gloo)      {ours_s * 1000:8.1f} ms")

@@ -74,6 +74,11 @@ def shard(model: torch.nn.Module, args: Any) -> torch.nn.Module:
         cast_forward_inputs=forward != master,
     )
     kwargs: dict[str, Any] = {"mp_policy": policy}
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() == 1:
+        # One rank holds the whole model anyway: keep it gathered between forward and backward.
+        kwargs["reshard_after_forward"] = False
     if args.fsdp_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in getattr(model, "transformer_blocks", []):

@@ -132,3 +132,25 @@ def test_lora_export_loads_with_diffusers_load_lora_weights(tiny_sd3_dir: Path, 
     fused = pipe.transformer.state_dict()
     key = "transformer_blocks.0.attn.to_q.weight"
     assert torch.allclose(fused[key].float(), merged[key].float(), atol=1e-5)
+
+
+def test_nft_step_with_the_ema_reference_trains_and_serves_the_ema(tiny_sd3_dir: Path, rollout) -> None:
+    _, batch = rollout
+    args = _args(tiny_sd3_dir, loss_type="nft", use_ema=True, ema_rollout_policy="ema", lr=1e-3)
+    assert args.ref_mode == "ema"
+    trainer = Trainer(args, master_port=_port())
+    start = {k: v.clone() for k, v in full_state(trainer).items()}
+    metrics = trainer.train(0, batch.samples)
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
+    raw = full_state(trainer)
+    served = trainer.engine_weights()  # the EMA weights, swapped in and back out
+    key = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(raw[key], start[key])  # the raw weights moved
+    assert not torch.equal(served[key], raw[key])  # the engines get the EMA copy, not the raw weights
+    assert torch.equal(full_state(trainer)[key], raw[key])  # and the swap put the raw weights back
+
+
+def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    from miles.training.model import full_state_dict
+
+    return full_state_dict(trainer.model)
