@@ -54,22 +54,41 @@ class TrainerActor:
 
 
 class TrainerGroup:
-    def __init__(self, args: Any, role: str, total_steps: int) -> None:
+    """`colocate_with`: place this group's ranks in another group's bundles (rank i next to its rank i),
+    each rank taking `share` of a bundle's CPU/GPU; the first group of a colocated set passes the same share."""
+
+    def __init__(
+        self,
+        args: Any,
+        role: str,
+        total_steps: int,
+        colocate_with: TrainerGroup | None = None,
+        share: float = 1.0,
+    ) -> None:
         import torch
 
         self.role = role
         self.world = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
         gpus = 1 if torch.cuda.is_available() else 0
-        bundle = {"GPU": gpus, "CPU": 1} if gpus else {"CPU": 1}
-        self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK")
-        ray.get(self.pg.ready())
+        if colocate_with is not None:
+            if colocate_with.world != self.world:
+                raise ValueError(
+                    f"trainer group {role!r} has {self.world} ranks but colocates with "
+                    f"{colocate_with.role!r}, which has {colocate_with.world}"
+                )
+            self.pg = colocate_with.pg
+        else:
+            bundle = {"GPU": gpus, "CPU": 1} if gpus else {"CPU": 1}
+            self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK")
+            ray.get(self.pg.ready())
+        self.owns_pg = colocate_with is None
         strategy = [
             PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i) for i in range(self.world)
         ]
         addr, port = ray.get(ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=strategy[0]).remote())
         actor_cls = ray.remote(TrainerActor)
         self.actors = [
-            actor_cls.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy[i]).remote(
+            actor_cls.options(num_cpus=share, num_gpus=gpus * share, scheduling_strategy=strategy[i]).remote(
                 args, i, self.world, addr, port, total_steps
             )
             for i in range(self.world)
@@ -96,4 +115,5 @@ class TrainerGroup:
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
-        ray.util.remove_placement_group(self.pg)
+        if self.owns_pg:
+            ray.util.remove_placement_group(self.pg)

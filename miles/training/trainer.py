@@ -279,6 +279,23 @@ class Trainer:
         metrics["train_time"] = time.perf_counter() - start
         return metrics
 
+    # ---- DMD2 (miles.training.dmd2_trainer): the critic group's iteration and the student's step ----
+    def train_dmd2_critic(
+        self, rollout_id: int, samples: list[Sample], with_external: bool
+    ) -> tuple[dict[str, float], dict[int, dict[str, torch.Tensor]] | None]:
+        """The critic group (--loss-type dmd2_critic): external data first when asked, then one critic step."""
+        from miles.training.dmd2_trainer import critic_iteration
+
+        return critic_iteration(self, rollout_id, samples, with_external)
+
+    def train_dmd2(
+        self, rollout_id: int, samples: list[Sample], external_data: dict[int, dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
+        """The student (--loss-type dmd2): one step against the critic group's `external_data`."""
+        from miles.training.dmd2_trainer import generator_step
+
+        return generator_step(self, rollout_id, samples, external_data)
+
     # ---- weights out -----------------------------------------------------------------------
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """The weights the engines should serve (LoRA merged; EMA under --ema-rollout-policy ema)."""

@@ -90,6 +90,12 @@ class DiffusersEngine:
             out.extend(self._generate_microgroup(request))
         return out
 
+    def generate_few_step(self, requests: list[GenerateRequest]) -> list[Sample]:
+        """The DMD2 student's few-step rollouts (`miles.rollout.dmd2_engine`), all requests as one batch."""
+        from miles.rollout.dmd2_engine import generate_few_step
+
+        return generate_few_step(self, requests)
+
     def _generate_microgroup(self, req: GenerateRequest) -> list[Sample]:
         start = time.perf_counter()
         family, pipe = self.family, self.pipe

@@ -1,0 +1,205 @@
+"""`miles train dmd2`: distill a many-step teacher into a few-step student (DMD2, algorithms.md A).
+
+Two trainer groups on the same trainer class, each from its own trainer args, colocated on the same
+bundles (each rank takes half of its bundle), run in order every iteration::
+
+    for it in range(start, num_rollout):
+        k = stop_step(seed, it)                                   # backward simulation, same on every rank
+        batch = manager.generate_dmd2(it, k)                      # the student's inputs x_{t_k} and its x0
+        gen = is_generator_step(it, --dmd2-critic-update-ratio)  # TTUR: the critic steps every iteration
+        critic_metrics, external = critic.train_dmd2_critic(it, batch, gen)   # scores first, then its step
+        if gen:
+            actor.train_dmd2(it, batch, external_data=external)  # the distribution-matching step
+            manager.update_weights(actor weights)                 # sync the student to the engines
+
+At the end (with eval data): the student's n-step samples and the teacher's at 20 and n steps on the
+eval datasets (`eval/student_<n>step/*`, `eval/teacher_20step/*`, `eval/teacher_<n>step/*`), a
+side-by-side grid `<output-dir>/dmd2_grid.png` (teacher 20 steps | teacher n steps | student, same
+seeds), and the student exported to `<output-dir>/checkpoint`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.config.errors import ConfigError
+from miles.io.loggers import MetricsLogger
+from miles.runtime.progress import progress_bar
+from miles.runtime.session import ray_job
+from miles.runtime.train_rl import has_eval_data, save_due, train_metrics
+
+if TYPE_CHECKING:
+    from miles.config.resolve import ResolvedJob
+
+GRID_ROWS = 10
+TEACHER_STEPS = 20
+
+
+def generator_iterations(num_rollout: int, ratio: int) -> int:
+    """How many of `num_rollout` iterations step the student (TTUR: iterations 0, ratio, 2 ratio, ...)."""
+    from miles.algorithms.dmd2 import is_generator_step
+
+    return sum(is_generator_step(i, ratio) for i in range(num_rollout))
+
+
+def check_gan_data(args: Any) -> None:
+    """The GAN head's real side is the prompt data's images: its rows need an 'image' field."""
+    if float(args.dmd2_gan_loss_weight) <= 0:
+        return
+    from miles.data.builtin import is_builtin_dataset, resolve_dataset
+    from miles.rollout.data_source import iter_jsonl_objects
+
+    spec = args.prompt_data
+    path = resolve_dataset(spec) if is_builtin_dataset(spec) else Path(spec)
+    for where, _, row in iter_jsonl_objects(path, "prompt data"):
+        if "image" not in row:
+            raise ConfigError(
+                f"--dmd2-gan-loss-weight {args.dmd2_gan_loss_weight} needs real images: {where} has no 'image' "
+                f"field; give --prompt-data rows with images (e.g. digits:sft) or set --dmd2-gan-loss-weight 0"
+            )
+        return
+
+
+def critic_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    out = {f"critic/{k}": v for k, v in metrics.items() if k not in ("train_time", "score_time")}
+    out["perf/critic_time"] = metrics.get("train_time", 0.0)
+    out["perf/score_time"] = metrics.get("score_time", 0.0)
+    return out
+
+
+def run(resolved: ResolvedJob) -> int:
+    import ray
+
+    from miles.rollout.dmd2_manager import manager_actor_class
+    from miles.runtime.trainer_group import TrainerGroup
+
+    args = resolved.trainer_args["actor"]
+    critic_args = resolved.trainer_args["critic"]
+    check_gan_data(args)
+    with ray_job(resolved, args, with_manager=False) as (out, _):
+        manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
+        num_rollout = int(args.num_rollout or ray.get(manager.num_rollout.remote()))
+        ratio = int(args.dmd2_critic_update_ratio)
+        critic = TrainerGroup(critic_args, "critic", num_rollout, share=0.5)
+        actor = TrainerGroup(args, "actor", generator_iterations(num_rollout, ratio), colocate_with=critic, share=0.5)
+        start = resume(args, manager, critic, actor)
+        logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
+        every = max(1, (num_rollout - start) // 20)
+        with progress_bar("train dmd2", num_rollout - start) as advance:
+            for it in range(start, num_rollout):
+                metrics = run_iteration(args, manager, critic, actor, it)
+                if has_eval_data(args) and args.eval_interval and it > 0 and it % args.eval_interval == 0:
+                    metrics.update(ray.get(manager.evaluate_student.remote())[0])
+                line = logger.log(it, metrics)
+                advance(line if (it - start) % every == 0 or it == num_rollout - 1 else "")
+                if save_due(args, it, num_rollout):
+                    save(args, manager, critic, actor, it)
+        if has_eval_data(args) and start < num_rollout:
+            final = final_eval(args, manager, out)
+            logger.log(num_rollout, final)
+            for key, value in sorted(final.items()):
+                if key.endswith(("/accuracy", "/fd")):
+                    print(f"{key} = {value:.4f}")
+        target = Path(args.output_dir) / "checkpoint"
+        actor.call("export_pipeline", str(target))
+        print(f"miles: exported the student pipeline to {target}")
+        logger.close()
+    print(f"miles: train dmd2 finished {num_rollout - start} iterations; metrics in {out / 'metrics.jsonl'}")
+    return 0
+
+
+def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int) -> dict[str, float]:
+    """One DMD2 iteration: student rollout, critic group (external data, then its step), student step, sync."""
+    import ray
+
+    from miles.algorithms.dmd2 import is_generator_step
+    from miles.rollout.dmd2_sampler import stop_step
+
+    t0 = time.perf_counter()
+    n = len(args.dmd2_student_timesteps)
+    k = stop_step(args.seed, it, n, bool(args.dmd2_backward_simulation))
+    batch = ray.get(manager.generate_dmd2.remote(it, k))
+    metrics = dict(batch.metrics)
+    samples = ray.put(batch.samples)
+    gen = is_generator_step(it, int(args.dmd2_critic_update_ratio))
+    results = critic.call("train_dmd2_critic", it, samples, gen)
+    metrics.update(critic_metrics(results[0][0]))
+    if gen:
+        external: dict[int, Any] = {}
+        for _, part in results:
+            external.update(part or {})
+        metrics.update(train_metrics(actor.call("train_dmd2", it, samples, ray.put(external))[0]))
+        if not args.debug_skip_optimizer_step:
+            t1 = time.perf_counter()
+            ray.get(manager.update_weights.remote(actor.engine_weights(), it + 1))
+            metrics["perf/sync_time"] = time.perf_counter() - t1
+    metrics["perf/step_time"] = time.perf_counter() - t0
+    return metrics
+
+
+def final_eval(args: Any, manager: Any, out: Path) -> dict[str, float]:
+    """Student n steps, teacher 20 and n steps on the eval datasets; the side-by-side grid."""
+    import ray
+
+    n = len(args.dmd2_student_timesteps)
+    start = time.perf_counter()
+    student, student_samples = ray.get(manager.evaluate_student.remote())
+    teacher, teacher_samples = ray.get(manager.evaluate_teacher.remote(sorted({TEACHER_STEPS, n}, reverse=True)))
+    metrics = {**student, **teacher, "perf/eval_time": time.perf_counter() - start}
+    by_name = {**student_samples, **teacher_samples}
+    columns = [f"teacher_{TEACHER_STEPS}step", f"teacher_{n}step", f"student_{n}step"]
+    for prefix in sorted({name[: -len(columns[-1])] for name in student_samples}):
+        save_side_by_side(out / f"{prefix}dmd2_grid.png", [by_name[prefix + c] for c in columns], columns)
+    return metrics
+
+
+def save_side_by_side(path: Path, variants: list[list[Any]], titles: list[str], rows: int = GRID_ROWS) -> Path:
+    """One row per prompt (the first `rows`, preferring distinct labels), one column per variant."""
+    from miles.io.images import save_grid
+
+    picked: list[int] = []
+    seen: set[Any] = set()
+    for i, sample in enumerate(variants[0]):
+        label = sample.metadata.get("label", sample.prompt)
+        if label not in seen:
+            seen.add(label)
+            picked.append(i)
+        if len(picked) == rows:
+            break
+    images, labels = [], []
+    for i in picked:
+        for title, samples in zip(titles, variants, strict=True):
+            images.append(samples[i].image)
+            labels.append(f"{title} | {samples[i].prompt}")
+    return save_grid(path, images, labels, columns=len(variants))
+
+
+def save(args: Any, manager: Any, critic: Any, actor: Any, it: int) -> None:
+    import ray
+
+    extra = {"rollout_id": it, "data_source": ray.get(manager.data_source_state.remote())}
+    critic.call("save_checkpoint", critic_save_dir(args), it, extra)
+    actor.call("save_checkpoint", args.save, it, extra)
+
+
+def critic_save_dir(args: Any) -> str:
+    return f"{args.save.rstrip('/')}/critic"
+
+
+def resume(args: Any, manager: Any, critic: Any, actor: Any) -> int:
+    """Restore `--load` (student, critic at `<load>/critic`, data source) and sync the student to the engines."""
+    import ray
+
+    start = 0
+    if args.load:
+        extra = actor.call("load_checkpoint", args.load, args.ckpt_step)[0]
+        critic.call("load_checkpoint", f"{args.load.rstrip('/')}/critic", args.ckpt_step)
+        start = int(extra["rollout_id"]) + 1
+        if extra.get("data_source"):
+            ray.get(manager.load_data_source_state.remote(extra["data_source"]))
+        ray.get(manager.update_weights.remote(actor.engine_weights(), start))
+    if args.start_rollout_id is not None:
+        start = int(args.start_rollout_id)
+    return start
