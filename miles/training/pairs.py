@@ -76,6 +76,32 @@ def micro_batches(pairs: Sequence[Pair], args: Any) -> list[list[Pair]]:
     return [tile for tile in tiles if tile]
 
 
+def flow_grpo_batch(pairs: Sequence[Pair]) -> dict[str, Any]:
+    """The tensors of a micro-batch of Flow-GRPO pairs, batch-first (B = len(pairs)).
+
+    latents [B, C, h, w] x_t and next_latents x_{t+1} (fp32), timesteps, sigmas, next_sigmas, sigma_max,
+    old_log_probs and advantages [B], the first pair's guidance_scale, sde_type and noise_level, and the
+    pairs. The conditions are not stacked here: `stack_conditions` does that where they are needed.
+    """
+    samples = [p.sample for p in pairs]
+    trajs = [s.trajectory for s in samples]
+    steps = list(zip(trajs, pairs, strict=True))
+    return {
+        "latents": torch.stack([t.latents[p.step] for t, p in steps]).float(),
+        "next_latents": torch.stack([t.latents[p.step + 1] for t, p in steps]).float(),
+        "timesteps": torch.stack([t.timesteps[p.step] for t, p in steps]),
+        "sigmas": torch.stack([t.sigmas[p.step] for t, p in steps]),
+        "next_sigmas": torch.stack([t.sigmas[p.step + 1] for t, p in steps]),
+        "sigma_max": torch.stack([t.sigmas[1] for t in trajs]),
+        "old_log_probs": torch.stack([t.log_probs[p.slot] for t, p in steps]).float(),
+        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        "guidance_scale": samples[0].conditions.guidance_scale,
+        "sde_type": trajs[0].sde_type,
+        "noise_level": trajs[0].noise_level,
+        "pairs": list(pairs),
+    }
+
+
 def stack_conditions(samples: Sequence[Sample], negative: bool) -> dict[str, torch.Tensor]:
     """Batch the samples' stored condition rows (positive, or negative for CFG)."""
     rows = [s.conditions.negative if negative else s.conditions.positive for s in samples]  # type: ignore[union-attr]

@@ -22,6 +22,7 @@ from miles.algorithms.sft_loss import noisy_latents, sample_sigmas, sft_loss
 from miles.config.errors import ConfigError
 from miles.rollout.sde import sde_step
 from miles.rollout.types import Sample
+from miles.training.custom_hooks import TrainHooks
 from miles.training.model import (
     DTYPES,
     apply_lora,
@@ -31,7 +32,7 @@ from miles.training.model import (
     merged_base_state_dict,
     shard,
 )
-from miles.training.pairs import Pair, dp_shard, expand_flow_grpo, micro_batches, stack_conditions, windows
+from miles.training.pairs import Pair, dp_shard, expand_flow_grpo, flow_grpo_batch, micro_batches, stack_conditions
 
 
 def init_distributed(args: Any, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -88,6 +89,7 @@ class Trainer:
             self.scaler = ShardedGradScaler()
         self.global_step = 0
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * rank)
+        self.hooks = TrainHooks(args)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _trainable_named(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -97,9 +99,22 @@ class Trainer:
         self, x: torch.Tensor, timesteps: torch.Tensor, samples: Sequence[Sample], cfg_scale: float | None
     ) -> torch.Tensor:
         """The family's DiT velocity, with classifier-free guidance when `cfg_scale > 1`."""
-        pos = stack_conditions(samples, negative=False)
+        cfg = cfg_scale is not None and cfg_scale > 1.0
+        neg = stack_conditions(samples, negative=True) if cfg else None
+        return self.dit_velocity(x, timesteps, stack_conditions(samples, negative=False), neg, cfg_scale)
+
+    def dit_velocity(
+        self,
+        x: torch.Tensor,
+        timesteps: torch.Tensor,
+        pos: dict[str, torch.Tensor],
+        neg: dict[str, torch.Tensor] | None,
+        cfg_scale: float | None,
+    ) -> torch.Tensor:
+        """`velocity` on batched condition tensors (`neg` is needed when `cfg_scale > 1`)."""
         if cfg_scale is not None and cfg_scale > 1.0:
-            neg = stack_conditions(samples, negative=True)
+            if neg is None:
+                raise ValueError(f"CFG at scale {cfg_scale} needs negative conditions")
             cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
             out = self.family.forward_velocity(
                 self.model, torch.cat([x, x]).to(self.forward_dtype), timesteps.repeat(2), cond
@@ -136,14 +151,12 @@ class Trainer:
         """One rollout's optimizer steps; returns the mean metrics (names without the train/ prefix)."""
         start = time.perf_counter()
         loss_type = self.args.loss_type
+        micro = {"policy_loss": self._flow_grpo_micro, "nft": self._nft_micro, "custom_loss": self._custom_micro}
+        if loss_type not in micro:
+            raise NotImplementedError(f"--loss-type {loss_type} is not trained on rollouts")
         totals: dict[str, list[float]] = {}
-        for window in windows(samples, self.args):
-            if loss_type == "policy_loss":
-                metrics = self._step(expand_flow_grpo(window), self._flow_grpo_micro)
-            elif loss_type == "nft":
-                metrics = self._step(self._expand_nft(window), self._nft_micro)
-            else:
-                raise NotImplementedError(f"--loss-type {loss_type} is not trained on rollouts")
+        for pairs in self.hooks.train_data(samples, self._expand):
+            metrics = self._step(pairs, micro[loss_type])
             for k, v in metrics.items():
                 totals.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in totals.items()}
@@ -185,19 +198,19 @@ class Trainer:
         sums["lr"] = float(self.scheduler.get_lr())
         return _all_reduce_mean(sums, self.world_size)
 
+    def _expand(self, window: list[Sample]) -> list[Pair]:
+        """The built-in expansion of one window: NFT's trained sigmas, else every recorded SDE transition."""
+        return self._expand_nft(window) if self.args.loss_type == "nft" else expand_flow_grpo(window)
+
+    def _custom_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.hooks.custom_micro(self, batch)
+
     def _flow_grpo_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
         samples = [p.sample for p in batch]
-        trajs = [s.trajectory for s in samples]
-        x = torch.stack([t.latents[p.step] for t, p in zip(trajs, batch, strict=True)]).float()
-        x_next = torch.stack([t.latents[p.step + 1] for t, p in zip(trajs, batch, strict=True)]).float()
-        ts = torch.stack([t.timesteps[p.step] for t, p in zip(trajs, batch, strict=True)])
-        sig = torch.stack([t.sigmas[p.step] for t, p in zip(trajs, batch, strict=True)])
-        sig_next = torch.stack([t.sigmas[p.step + 1] for t, p in zip(trajs, batch, strict=True)])
-        sig_max = torch.stack([t.sigmas[1] for t in trajs])
-        old = torch.stack([t.log_probs[p.slot] for t, p in zip(trajs, batch, strict=True)]).float()
-        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-        cfg = samples[0].conditions.guidance_scale  # type: ignore[union-attr]
-        sde_type, noise = trajs[0].sde_type, trajs[0].noise_level
+        b = flow_grpo_batch(batch)
+        x, x_next, ts, old, adv = b["latents"], b["next_latents"], b["timesteps"], b["old_log_probs"], b["advantages"]
+        sig, sig_next, sig_max = b["sigmas"], b["next_sigmas"], b["sigma_max"]
+        cfg, sde_type, noise = b["guidance_scale"], b["sde_type"], b["noise_level"]
 
         def step_of(v: torch.Tensor):
             return sde_step(
@@ -272,7 +285,11 @@ class Trainer:
             clean = x0[idx].float()
             sigma = sample_sigmas(len(batch), self.generator, shift=self.args.fsdp_flow_shift)
             noise = torch.randn(clean.shape, generator=self.generator)
-            v = self.velocity(noisy_latents(clean, noise, sigma), sigma * 1000.0, [p.sample for p in batch], None)
+            x_t = noisy_latents(clean, noise, sigma)
+            if self.hooks.loss is not None:  # --loss-type custom_loss
+                inputs = {"latents": x_t, "timesteps": sigma * 1000.0, "sigmas": sigma, "clean_latents": clean}
+                return self.hooks.custom_micro(self, batch, {**inputs, "noise": noise, "guidance_scale": None})
+            v = self.velocity(x_t, sigma * 1000.0, [p.sample for p in batch], None)
             return sft_loss(v, clean, noise, sigma)
 
         metrics = self._step(pairs, micro)

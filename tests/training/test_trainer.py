@@ -2,49 +2,23 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from trainer_helpers import free_port, trainer_args
 
 from miles.config.resolve import resolve
-from miles.rollout.manager import RolloutManager
 from miles.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
-SMALL = {
-    "rollout_batch_size": 2,
-    "n_samples_per_prompt": 4,
-    "rollout_microgroup_size": 4,
-    "global_batch_size": 8,
-    "micro_batch_size": 4,
-    "diffusion_num_steps": 4,
-    "diffusion_num_sde_steps": 2,
-    "diffusion_sde_window_range": "0,4",
-}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _args(checkpoint: Path, **cli):
-    return resolve("rl", recipe="tiny-digits-grpo", cli={**SMALL, "hf_checkpoint": str(checkpoint), **cli}).args
-
-
-@pytest.fixture(scope="module")
-def rollout(tiny_sd3_dir: Path):
-    manager = RolloutManager(_args(tiny_sd3_dir))
-    return manager, manager.generate(0)
+# `rollout` (the in-process manager and its rollout 0) is a session fixture of tests/training/conftest.py.
 
 
 def test_recompute_reproduces_the_engine_log_probs(tiny_sd3_dir: Path, rollout) -> None:
     _, batch = rollout
-    trainer = Trainer(_args(tiny_sd3_dir, debug_skip_optimizer_step=True), master_port=_port())
+    trainer = Trainer(trainer_args(tiny_sd3_dir, debug_skip_optimizer_step=True), master_port=free_port())
     before = {k: v.clone() for k, v in trainer.engine_weights().items()}
     metrics = trainer.train(0, batch.samples)
     assert metrics["log_prob_mean_abs_diff"] <= 1e-5
@@ -55,7 +29,7 @@ def test_recompute_reproduces_the_engine_log_probs(tiny_sd3_dir: Path, rollout) 
 
 def test_a_train_step_moves_weights_and_sync_makes_the_engine_equal(tiny_sd3_dir: Path, rollout) -> None:
     manager, batch = rollout
-    trainer = Trainer(_args(tiny_sd3_dir, lr=1e-3), master_port=_port())
+    trainer = Trainer(trainer_args(tiny_sd3_dir, lr=1e-3), master_port=free_port())
     start = trainer.engine_weights()
     metrics = trainer.train(0, batch.samples)
     assert metrics["grad_norm"] > 0 and metrics["lr"] == pytest.approx(1e-3)
@@ -69,9 +43,9 @@ def test_a_train_step_moves_weights_and_sync_makes_the_engine_equal(tiny_sd3_dir
 
 def test_lora_trains_only_adapters_and_syncs_merged_weights(tiny_sd3_dir: Path, rollout) -> None:
     _, batch = rollout
-    args = _args(tiny_sd3_dir, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2, diffusion_kl_beta=0.1)
+    args = trainer_args(tiny_sd3_dir, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2, diffusion_kl_beta=0.1)
     assert args.ref_mode == "lora_base"
-    trainer = Trainer(args, master_port=_port())
+    trainer = Trainer(args, master_port=free_port())
     names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     base = trainer.engine_weights()
@@ -89,7 +63,7 @@ def test_sft_steps_lower_the_flow_matching_loss(tiny_sd3_dir: Path) -> None:
     args = resolve("sft", recipe="tiny-digits-sft", cli={"hf_checkpoint": str(tiny_sd3_dir), "num_rollout": 30}).args
     data = encode_sft_dataset(args)
     assert data.latents.shape[1:] == (4, 8, 8) and len(data) == 1437
-    trainer = Trainer(args, master_port=_port(), total_steps=30)
+    trainer = Trainer(args, master_port=free_port(), total_steps=30)
     generator = torch.Generator().manual_seed(0)
     rows = list(range(64))
     losses = [trainer.train_sft(*data.batch(rows, generator))["loss"] for _ in range(30)]
@@ -98,15 +72,15 @@ def test_sft_steps_lower_the_flow_matching_loss(tiny_sd3_dir: Path) -> None:
 
 def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tiny_sd3_dir: Path, rollout, tmp_path) -> None:
     _, batch = rollout
-    args = _args(tiny_sd3_dir, lr=1e-3, save=str(tmp_path / "ckpt"))
-    trainer = Trainer(args, master_port=_port())
+    args = trainer_args(tiny_sd3_dir, lr=1e-3, save=str(tmp_path / "ckpt"))
+    trainer = Trainer(args, master_port=free_port())
     trainer.train(0, batch.samples)
     trainer.save_checkpoint(args.save, 0, {"rollout_id": 0})
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     expected_next = trainer.train(1, batch.samples)
     expected = trainer.engine_weights()
 
-    restored = Trainer(args, master_port=_port())
+    restored = Trainer(args, master_port=free_port())
     extra = restored.load_checkpoint(args.save, None)
     assert extra["rollout_id"] == 0 and extra["global_step"] == 1
     again = restored.train(1, batch.samples)
@@ -119,8 +93,8 @@ def test_lora_export_loads_with_diffusers_load_lora_weights(tiny_sd3_dir: Path, 
     from diffusers import StableDiffusion3Pipeline
 
     _, batch = rollout
-    args = _args(tiny_sd3_dir, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2, lora_init_weights="gaussian")
-    trainer = Trainer(args, master_port=_port())
+    args = trainer_args(tiny_sd3_dir, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2, lora_init_weights="gaussian")
+    trainer = Trainer(args, master_port=free_port())
     trainer.train(0, batch.samples)
     merged = trainer.engine_weights()
     out = trainer.export_lora(str(tmp_path / "lora"))
@@ -136,9 +110,9 @@ def test_lora_export_loads_with_diffusers_load_lora_weights(tiny_sd3_dir: Path, 
 
 def test_nft_step_with_the_ema_reference_trains_and_serves_the_ema(tiny_sd3_dir: Path, rollout) -> None:
     _, batch = rollout
-    args = _args(tiny_sd3_dir, loss_type="nft", use_ema=True, ema_rollout_policy="ema", lr=1e-3)
+    args = trainer_args(tiny_sd3_dir, loss_type="nft", use_ema=True, ema_rollout_policy="ema", lr=1e-3)
     assert args.ref_mode == "ema"
-    trainer = Trainer(args, master_port=_port())
+    trainer = Trainer(args, master_port=free_port())
     start = {k: v.clone() for k, v in full_state(trainer).items()}
     metrics = trainer.train(0, batch.samples)
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0

@@ -86,4 +86,29 @@ def check_dmd2(res: Resolution, job: JobSpec) -> None:
         res.fail(f"{res.show('dmd2_min_step_ratio')} must be below {res.show('dmd2_max_step_ratio')}")
 
 
-RULES = (check_reference_and_ema, check_sampler, check_dmd2)
+ROLLOUT_LOSSES = ("policy_loss", "nft", "custom_loss")
+PAIR_HOOKS = (
+    "custom_convert_samples_to_train_data_path",
+    "custom_expand_samples_to_train_pairs_path",
+    "custom_prepare_train_batch_path",
+)
+
+
+def check_train_hooks(res: Resolution, job: JobSpec) -> None:
+    """The trainer's hooks are set only where it calls them (miles.training.custom_hooks)."""
+    if not job.trains:
+        return
+    loss = res["loss_type"]
+    for dest in ("custom_loss_function_path", "custom_prepare_train_batch_path"):
+        if res[dest] is not None and loss != "custom_loss":
+            res.fail(f"{res.show(dest)} applies to --loss-type custom_loss only, not {loss}")
+    if job.name == "sft" or loss not in ROLLOUT_LOSSES:
+        for dest in PAIR_HOOKS:
+            if res[dest] is not None:
+                res.fail(
+                    f"{res.show(dest)} works on rollout samples and train pairs, "
+                    f"which `miles {job.command}` with --loss-type {loss} does not train on"
+                )
+
+
+RULES = (check_reference_and_ema, check_sampler, check_dmd2, check_train_hooks)
