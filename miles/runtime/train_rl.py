@@ -107,10 +107,18 @@ def resume(args: Any, manager: Any, group: Any) -> int:
         start = int(extra["rollout_id"]) + 1
         if extra.get("data_source"):
             ray.get(manager.load_data_source_state.remote(extra["data_source"]))
-        ray.get(manager.update_weights.remote(group.engine_weights(), start))
+        sync_weights(manager, group, start)
     if args.start_rollout_id is not None:
         start = int(args.start_rollout_id)
     return start
+
+
+def sync_weights(manager: Any, group: Any, version: int) -> None:
+    """Phase 4: every trainer rank joins the gather; rank 0's weights (only the LoRA tensors under
+    --lora-ipc-weight-sync) go to the engines through Ray's object store."""
+    import ray
+
+    ray.get(manager.update_weights.remote(group.weights_for_sync(), version))
 
 
 def _images(args: Any, samples: list[Any], limit: int = 64) -> tuple[list[Any], list[str]]:
@@ -127,7 +135,7 @@ def run_iteration(args: Any, manager: Any, group: Any, rollout_id: int) -> tuple
     metrics.update(train_metrics(group.train(rollout_id, batch.samples)))
     if not args.debug_skip_optimizer_step:
         t1 = time.perf_counter()
-        ray.get(manager.update_weights.remote(group.engine_weights(), rollout_id + 1))
+        sync_weights(manager, group, rollout_id + 1)
         metrics["perf/sync_time"] = time.perf_counter() - t1
     metrics["perf/step_time"] = time.perf_counter() - t0
     return metrics, batch

@@ -49,6 +49,9 @@ class TrainerActor:
     def engine_weights(self) -> dict[str, Any]:
         return self.trainer.engine_weights()
 
+    def weights_for_sync(self) -> dict[str, Any]:
+        return self.trainer.weights_for_sync()
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.trainer, method)(*args, **kwargs)
 
@@ -108,6 +111,10 @@ class TrainerGroup:
     def engine_weights(self) -> dict[str, Any]:
         """Every rank joins the all-gather; rank 0's copy is returned."""
         return self._all("engine_weights")[0]
+
+    def weights_for_sync(self) -> dict[str, Any]:
+        """What a sync pushes (only the LoRA tensors under --lora-ipc-weight-sync); rank 0's copy."""
+        return self._all("weights_for_sync")[0]
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return ray.get([a.call.remote(method, *args) for a in self.actors])

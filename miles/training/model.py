@@ -9,6 +9,7 @@ import torch
 
 from miles.models.checkpoints import ensure_checkpoint
 from miles.models.families import resolve_family
+from miles.models.lora_sync import merge_lora_weight
 from miles.models.pipeline_config import TrainPipelineConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -108,10 +109,7 @@ def merged_base_state_dict(state: dict[str, torch.Tensor], args: Any) -> dict[st
             prefix = name[: -len(".base_layer.weight")]
             a = state.get(f"{prefix}.lora_A.default.weight")
             b = state.get(f"{prefix}.lora_B.default.weight")
-            weight = tensor.float()
-            if a is not None and b is not None:
-                weight = weight + scaling * (b.float() @ a.float())
-            merged[f"{prefix}.weight"] = weight.to(tensor.dtype)
+            merged[f"{prefix}.weight"] = tensor if a is None or b is None else merge_lora_weight(tensor, a, b, scaling)
         elif ".base_layer." in name:
             merged[name.replace(".base_layer.", ".")] = tensor
         else:

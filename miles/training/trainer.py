@@ -314,16 +314,27 @@ class Trainer:
         return generator_step(self, rollout_id, samples, external_data)
 
     # ---- weights out -----------------------------------------------------------------------
+    def _served(self) -> contextlib.AbstractContextManager[Any]:
+        """The EMA weights swapped in under --ema-rollout-policy ema; else nothing to do."""
+        if self.ema is not None and self.args.ema_rollout_policy == "ema":
+            return self.ema.swapped_in(self._trainable_named(), module=self.model)
+        return contextlib.nullcontext()
+
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """The weights the engines should serve (LoRA merged; EMA under --ema-rollout-policy ema)."""
-        ctx = (
-            self.ema.swapped_in(self._trainable_named(), module=self.model)
-            if self.ema is not None and self.args.ema_rollout_policy == "ema"
-            else contextlib.nullcontext()
-        )
-        with ctx:
+        with self._served():
             state = full_state_dict(self.model)
         return merged_base_state_dict(state, self.args) if self.args.use_lora else state
+
+    def weights_for_sync(self) -> dict[str, torch.Tensor]:
+        """What one sync pushes to the engines: `engine_weights()`, or under --lora-ipc-weight-sync only the
+        LoRA tensors (`miles.models.lora_sync`: the engines merge them into their base weights)."""
+        if not (self.args.use_lora and self.args.lora_ipc_weight_sync):
+            return self.engine_weights()
+        from miles.models.lora_sync import lora_sync_payload
+
+        with self._served():
+            return lora_sync_payload(self.model)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str | None:

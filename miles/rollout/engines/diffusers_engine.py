@@ -17,6 +17,7 @@ import torch
 from miles.models.checkpoints import ensure_checkpoint
 from miles.models.families import resolve_family
 from miles.models.loading import quiet_loading
+from miles.models.lora_sync import LoraMerger, is_lora_entry
 from miles.models.tiny_sd3.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.sde import scheduler_schedule, sde_step
@@ -49,6 +50,7 @@ class DiffusersEngine:
         self.pipe.set_progress_bar_config(disable=True)
         self.max_sequence_length = max_sequence_length(self.checkpoint)
         self.weight_version = 0
+        self.lora_merger = LoraMerger()  # base copies for LoRA-only sync (--lora-ipc-weight-sync)
 
     # ---- weights --------------------------------------------------------------------------------
     @property
@@ -56,14 +58,20 @@ class DiffusersEngine:
         return self.pipe.transformer
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
-        """Load (a subset of) the transformer's weights; returns the number of tensors loaded."""
+        """Load (a subset of) the transformer's weights, and merge LoRA entries (`<module>.lora_A|lora_B|
+        lora_scaling`, `miles.models.lora_sync`) into their base weights; returns the number of tensors taken."""
+        lora = {k: v for k, v in state_dict.items() if is_lora_entry(k)}
         own = self.transformer.state_dict()
-        unknown = [k for k in state_dict if k not in own]
+        unknown = [k for k in state_dict if k not in own and k not in lora]
         if unknown:
             raise KeyError(f"engine transformer has no parameters {unknown[:5]}")
         with torch.no_grad():
             for name, tensor in state_dict.items():
-                own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+                if name not in lora:
+                    own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+        self.lora_merger.forget(k for k in state_dict if k not in lora)
+        if lora:
+            self.lora_merger.apply(self.transformer, lora)
         self.weight_version = version if version is not None else self.weight_version + 1
         return len(state_dict)
 

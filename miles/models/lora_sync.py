@@ -1,0 +1,99 @@
+"""LoRA-only weight sync (`--use-lora --lora-ipc-weight-sync`): the trainer's payload, the engine's merge.
+
+Instead of the whole LoRA-merged transformer, the trainer sends three tensors per adapted module
+`<module>` (its name in the plain transformer, e.g. `transformer_blocks.0.attn.to_q`):
+
+    <module>.lora_A        [r, in]   the adapter's A (full tensor, gathered from the FSDP2 shards)
+    <module>.lora_B        [out, r]  the adapter's B
+    <module>.lora_scaling  0-d fp64  peft's scaling of the adapter (lora_alpha / r)
+
+so every name carries `lora_`. The engine keeps a copy of each adapted module's base weight the first
+time it merges into it and sets `W = W_base + scaling * B @ A` (fp32 math, cast to the engine's dtype),
+so repeated syncs never compound. The three tensors of a module may arrive in different chunks of
+`--update-weight-buffer-size`; the engine merges a module once it holds all three. A full-weight update
+of `<module>.weight` replaces the weight and drops its base copy (the next LoRA merge starts from it).
+
+On GPUs the flag's name is CUDA IPC between colocated trainer and engines; on CPU the payload travels
+the same way as full weights, through Ray's object store (trainer actor -> driver -> rollout manager ->
+engines), only much smaller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PARTS = ("lora_A", "lora_B", "lora_scaling")
+
+
+def merge_lora_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`base + scaling * b @ a`, computed in fp32 and returned in `base`'s dtype (the trainer's formula too)."""
+    if b.shape[1] != a.shape[0] or base.shape != (b.shape[0], a.shape[1]):
+        raise ValueError(f"LoRA shapes do not fit: weight {tuple(base.shape)}, B {tuple(b.shape)}, A {tuple(a.shape)}")
+    a, b = a.to(base.device), b.to(base.device)
+    return (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
+
+
+def lora_sync_payload(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The LoRA tensors of a peft-injected (and possibly FSDP2-sharded) model, as full CPU tensors.
+
+    Call it on every rank: gathering a sharded tensor is a collective.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+            continue
+        out[f"{name}.lora_A"] = _full(module.lora_A[adapter].weight)
+        out[f"{name}.lora_B"] = _full(module.lora_B[adapter].weight)
+        out[f"{name}.lora_scaling"] = torch.tensor(float(module.scaling[adapter]), dtype=torch.float64)
+    return out
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach().to("cpu").clone()
+
+
+def is_lora_entry(name: str) -> bool:
+    return name.rpartition(".")[2] in PARTS
+
+
+class LoraMerger:
+    """Engine side: the base copies of the adapted weights and the parts of modules not yet complete."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def apply(self, module: torch.nn.Module, entries: dict[str, torch.Tensor]) -> list[str]:
+        """Take LoRA entries (`<module>.lora_A|lora_B|lora_scaling`); merge every completed module into
+        `module`'s weights; returns the modules merged."""
+        params = dict(module.named_parameters())
+        for name, tensor in entries.items():
+            prefix, _, part = name.rpartition(".")
+            if part not in PARTS:
+                raise KeyError(f"not a LoRA sync entry: {name!r} (expected <module>.lora_A|lora_B|lora_scaling)")
+            if f"{prefix}.weight" not in params:
+                raise KeyError(f"engine transformer has no module {prefix!r} to merge LoRA into")
+            self.pending.setdefault(prefix, {})[part] = tensor
+        merged = []
+        with torch.no_grad():
+            for prefix in [p for p, parts in self.pending.items() if len(parts) == len(PARTS)]:
+                parts = self.pending.pop(prefix)
+                weight = params[f"{prefix}.weight"]
+                base = self.base.get(prefix)
+                if base is None:
+                    base = self.base[prefix] = weight.detach().clone()
+                weight.copy_(merge_lora_weight(base, parts["lora_A"], parts["lora_B"], float(parts["lora_scaling"])))
+                merged.append(prefix)
+        return merged
+
+    def forget(self, names: Any) -> None:
+        """Full weights arrived for `names`: their base copies are stale."""
+        for name in names:
+            if name.endswith(".weight"):
+                self.base.pop(name[: -len(".weight")], None)
