@@ -178,3 +178,57 @@ def test_ttur_schedule():
     assert all(is_generator_step(s, 1) for s in range(5))
     with pytest.raises(ValueError):
         is_generator_step(0, 0)
+
+
+# --- D.2.1 / D.2.8 / D.2.9 with networks: one generator turn on tiny MLPs ----------------------------------
+
+
+class _VelocityNet(torch.nn.Module):
+    """v(x, sigma, c): c = 1 conditional, 0 unconditional (the two differ, so CFG matters)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8)).double()
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: float) -> torch.Tensor:
+        extra = torch.stack([sigma, torch.full_like(sigma, cond)], dim=1)
+        return self.net(torch.cat([x, extra], dim=1))
+
+
+def _generator_turn(generator, teacher, critic, w_real: float):
+    """DMD2's generator turn: x0_gen with grad, the real/fake scores at a noised sg(x0_gen) without."""
+    z = _t(4, 8, seed=5)
+    x0_gen = generator(z)
+    sigma = dm_timesteps(4, generator=torch.Generator().manual_seed(0)).double()
+    x_t = add_noise(x0_gen.detach(), _t(4, 8, seed=6), sigma)
+    with torch.no_grad():
+        v_real = cfg_combine(teacher(x_t, sigma, 0.0), teacher(x_t, sigma, 1.0), w_real)
+        v_fake = critic(x_t, sigma, 1.0)  # the fake score never uses CFG
+    loss, _ = dmd2_generator_loss(x0_gen, x0_from_velocity(x_t, sigma, v_real), x0_from_velocity(x_t, sigma, v_fake))
+    loss.backward()
+    return loss
+
+
+def test_critic_equal_to_teacher_at_guidance_1_gives_no_generator_gradient():
+    import copy
+
+    generator = torch.nn.Linear(8, 8).double()
+    teacher = _VelocityNet(0).requires_grad_(False)
+    critic = copy.deepcopy(teacher).requires_grad_(True)
+    loss = _generator_turn(generator, teacher, critic, 1.0)
+    assert loss.item() == 0.0
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in generator.parameters())
+    # with the teacher's CFG at 4, the same critic no longer matches the real score
+    generator.zero_grad()
+    assert _generator_turn(generator, teacher, critic, 4.0).item() > 0
+
+
+def test_a_generator_turn_leaves_no_gradient_on_critic_or_teacher():
+    generator = torch.nn.Linear(8, 8).double()
+    teacher, critic = _VelocityNet(0).requires_grad_(False), _VelocityNet(1)
+    _generator_turn(generator, teacher, critic, 4.0)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in generator.parameters())
+    assert all(p.grad is None for p in critic.parameters())
+    assert all(p.grad is None for p in teacher.parameters())
