@@ -2,6 +2,7 @@
 
     digits:train     prompt JSONL of the train split  ({"input": ..., "metadata": {"label": k}})
     digits:test      prompt JSONL of the test split (eval)
+    digits:labels    the ten prompts, one per digit (RL: every rollout of 10k prompts is balanced)
     digits:sft       SFT image+caption JSONL of the train split ({"image": rel_png, "input": ...})
     digits:sft-test  the same for the test split
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {"digits": ("train", "test", "sft", "sft-test")}
+BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {"digits": ("train", "test", "labels", "sft", "sft-test")}
 _MANIFEST = {"digits": "digits.json"}
 
 
@@ -54,13 +55,26 @@ def resolve_dataset(spec: str | os.PathLike) -> Path:
     from miles.utils.paths import atomic_directory, data_dir, file_lock
 
     root = data_dir() / name
-    if not (root / _MANIFEST[name]).is_file():
+    if not _current(root / _MANIFEST[name], digits.FORMAT_VERSION):
         with file_lock(data_dir() / f".{name}.lock"):
-            if not (root / _MANIFEST[name]).is_file():
+            if not _current(root / _MANIFEST[name], digits.FORMAT_VERSION):
                 if root.exists():
                     import shutil
 
-                    shutil.rmtree(root)  # a stale, incomplete copy (the manifest is written last)
+                    # an incomplete copy (the manifest is written last) or one of an older format
+                    shutil.rmtree(root)
                 with atomic_directory(root) as tmp:
                     digits.write_digits_data(tmp)
     return root / digits.FILES[part]
+
+
+def _current(manifest: Path, version: int) -> bool:
+    """The data set is complete (its manifest exists) and of this miles' format version."""
+    import json
+
+    if not manifest.is_file():
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("format_version") == version
+    except (OSError, ValueError):
+        return False

@@ -8,6 +8,8 @@ exactly; `downsample_to_digits` is that inverse for any size.
 Files written by `write_digits_data(out_dir)`:
     train.jsonl, test.jsonl   prompt data, one line per example of the split:
                               {"input": "a handwritten digit 7", "metadata": {"label": 7}}
+    labels.jsonl              the ten prompts, one per label, in label order: a rollout batch of
+                              a multiple of 10 prompts then holds every digit equally often
     sft/train.jsonl           SFT pairs: {"image": "images/train_00000.png", "input": <caption>,
                               "metadata": {"label": 7}}; `image` is relative to the JSONL's folder
     sft/test.jsonl            the same for the test split
@@ -27,9 +29,16 @@ IMAGE_SIZE = 64
 DIGIT_SIZE = 8
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PROMPT_TEMPLATE = "a handwritten digit {label}"
-FILES = {"train": "train.jsonl", "test": "test.jsonl", "sft": "sft/train.jsonl", "sft-test": "sft/test.jsonl"}
+FILES = {
+    "train": "train.jsonl",
+    "test": "test.jsonl",
+    "labels": "labels.jsonl",
+    "sft": "sft/train.jsonl",
+    "sft-test": "sft/test.jsonl",
+}
+NUM_LABELS = 10
 
 
 def prompt_for(label: int) -> str:
@@ -120,6 +129,8 @@ def write_digits_data(out_dir: str | Path, seed: int = SPLIT_SEED) -> dict[str, 
             Image.fromarray(img).save(out / "sft" / rel)
             rows.append({"image": rel, "input": prompt_for(k), "metadata": {"label": int(k)}})
         _write_jsonl(out / FILES["sft" if name == "train" else "sft-test"], rows)
+    label_rows = [{"input": prompt_for(k), "metadata": {"label": k}} for k in range(NUM_LABELS)]
+    _write_jsonl(out / FILES["labels"], label_rows)
     manifest = {
         "format_version": FORMAT_VERSION,
         "source": "sklearn.datasets.load_digits",

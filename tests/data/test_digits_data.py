@@ -12,7 +12,7 @@ from miles.data import is_builtin_dataset, resolve_dataset
 from miles.data.digits import downsample_to_digits, load_digits_split, prompt_for, upsample_digits
 
 
-@pytest.mark.parametrize("spec", ["digits:train", "digits:test", "digits:sft", "digits:sft-test"])
+@pytest.mark.parametrize("spec", ["digits:train", "digits:test", "digits:labels", "digits:sft", "digits:sft-test"])
 def test_is_builtin(spec):
     assert is_builtin_dataset(spec)
 
@@ -66,12 +66,25 @@ def test_resolve_generates_once(miles_home, digits_split):
     gray = np.asarray(img, dtype=np.float32).mean(-1) / 255.0
     assert np.abs(downsample_to_digits(gray[None])[0] - digits_split.train_x[3]).max() < 1 / 255 + 1e-6
     assert len(_read_jsonl(resolve_dataset("digits:sft-test"))) == 360
+    labels = _read_jsonl(resolve_dataset("digits:labels"))
+    assert labels == [{"input": prompt_for(k), "metadata": {"label": k}} for k in range(10)]
 
     manifest = miles_home / "data" / "digits" / "digits.json"
     stamp = manifest.stat().st_mtime_ns
     assert resolve_dataset("digits:train") == train
     assert manifest.stat().st_mtime_ns == stamp  # reused, not regenerated
     assert not list((miles_home / "data").glob(".digits.tmp-*"))
+
+
+def test_an_older_format_is_regenerated(miles_home):
+    manifest = miles_home / "data" / "digits" / "digits.json"
+    resolve_dataset("digits:train")
+    labels = miles_home / "data" / "digits" / "labels.jsonl"
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "format_version": 1}))
+    labels.unlink()  # a copy written before digits:labels existed
+    assert resolve_dataset("digits:labels") == labels and labels.is_file()
+    assert json.loads(manifest.read_text())["format_version"] == data["format_version"]
 
 
 def test_resolve_passthrough_and_errors(tmp_path):
