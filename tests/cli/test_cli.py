@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -129,6 +128,15 @@ def test_inspect_config_json_of_a_dmd2_recipe(cli: Run) -> None:
     assert "override:critic" not in data["sources"]["actor"].values()
 
 
+def test_inspect_config_of_the_tiny_dmd2_recipe_shows_critic_and_actor_apart(cli: Run) -> None:
+    data = inspect_json(cli, "--recipe", "tiny-digits-4step")
+    critic, actor = data["trainers"]["critic"], data["trainers"]["actor"]
+    differ = {k for k in critic if critic[k] != actor.get(k)}
+    assert {"loss_type", "lr"} <= differ
+    assert (critic["lr"], actor["lr"]) == (2e-4, 1e-4)
+    assert critic["hf_checkpoint"] == actor["teacher_checkpoint"] == "tiny-sd3-digits-sft"
+
+
 def test_inspect_config_yaml_round_trip(cli: Run, tmp_path: Path) -> None:
     # A fixed --output-dir: its default carries a timestamp.
     base = ("--recipe", "sd35-4step", "--output-dir", "runs/fixed", "--override", "critic.lr=2e-6")
@@ -197,17 +205,6 @@ def test_unknown_recipe_suggests_a_shipped_one(cli: Run) -> None:
     code, _, err = cli("inspect-config", "--recipe", "tiny-digits-grp")
     assert code == 2
     assert "tiny-digits-grpo" in err
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("miles.runtime.train_dmd2") is not None, reason="the train dmd2 runtime exists now"
-)
-def test_train_prints_the_tables_then_exits_3_without_a_runtime(cli: Run) -> None:
-    code, out, err = cli("train", "dmd2", "--recipe", "tiny-digits-4step")
-    assert code == 3
-    assert "critic (train dmd2)" in out and "actor (train dmd2)" in out
-    assert "--rollout-batch-size" in out
-    assert "not available" in err
 
 
 def test_recipes_lists_every_shipped_recipe(cli: Run) -> None:

@@ -46,22 +46,23 @@ def fit_vae(
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     vae.train()
     loss_value = float("nan")
-    for step in range(steps):
-        scale = min(1.0, (step + 1) / VAE_WARMUP) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-        batch = images[torch.randint(0, len(images), (batch_size,), generator=gen)]
-        posterior = vae.encode(batch).latent_dist
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
-        recon = vae.decode(z).sample
-        loss = F.mse_loss(recon, batch) + kl_weight * posterior.kl().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        loss_value = float(loss.detach())
-        if on_step is not None:
-            on_step(step, loss_value)
+    with torch.enable_grad():  # callers may hold no_grad (a teacher build encodes its data under it)
+        for step in range(steps):
+            scale = min(1.0, (step + 1) / VAE_WARMUP) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+            for group in opt.param_groups:
+                group["lr"] = lr * scale
+            batch = images[torch.randint(0, len(images), (batch_size,), generator=gen)]
+            posterior = vae.encode(batch).latent_dist
+            z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
+            recon = vae.decode(z).sample
+            loss = F.mse_loss(recon, batch) + kl_weight * posterior.kl().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+            opt.step()
+            loss_value = float(loss.detach())
+            if on_step is not None:
+                on_step(step, loss_value)
     vae.eval()
     return loss_value
 
