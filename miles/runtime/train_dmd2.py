@@ -28,7 +28,7 @@ from miles.config.errors import ConfigError
 from miles.io.loggers import MetricsLogger
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
-from miles.runtime.train_rl import has_eval_data, save_due, train_metrics
+from miles.runtime.train_rl import has_eval_data, save_due, sync_weights, train_metrics
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -133,7 +133,7 @@ def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int) -> 
         metrics.update(train_metrics(actor.call("train_dmd2", it, samples, ray.put(external))[0]))
         if not args.debug_skip_optimizer_step:
             t1 = time.perf_counter()
-            ray.get(manager.update_weights.remote(actor.engine_weights(), it + 1))
+            sync_weights(manager, actor, it + 1)  # only the LoRA tensors under --lora-ipc-weight-sync
             metrics["perf/sync_time"] = time.perf_counter() - t1
     metrics["perf/step_time"] = time.perf_counter() - t0
     return metrics
@@ -199,7 +199,7 @@ def resume(args: Any, manager: Any, critic: Any, actor: Any) -> int:
         start = int(extra["rollout_id"]) + 1
         if extra.get("data_source"):
             ray.get(manager.load_data_source_state.remote(extra["data_source"]))
-        ray.get(manager.update_weights.remote(actor.engine_weights(), start))
+        sync_weights(manager, actor, start)
     if args.start_rollout_id is not None:
         start = int(args.start_rollout_id)
     return start

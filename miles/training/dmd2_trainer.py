@@ -216,14 +216,17 @@ def _teacher(trainer: Trainer, state: CriticState) -> Iterator[torch.nn.Module]:
         return
     from peft.tuners.lora import LoraLayer
 
+    # Only the flag peft's forward reads: `enable_adapters` also flips requires_grad, which under FSDP2
+    # lands on whichever params (sharded or unsharded) are registered at the time and loses the
+    # adapters' grads after the next reshard.
     layers = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
     for layer in layers:
-        layer.enable_adapters(False)
+        layer._disable_adapters = True
     try:
         yield trainer.model
     finally:
         for layer in layers:
-            layer.enable_adapters(True)
+            layer._disable_adapters = False
 
 
 # --------------------------------------------------------------------------------------------------

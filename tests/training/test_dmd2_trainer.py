@@ -192,3 +192,19 @@ def test_gan_head_steps_with_the_critic_and_its_generator_gradient_leaves_no_par
     out = actor.train_dmd2(0, samples, external)
     assert out["gan_g_loss"] > 0 and out["loss"] == pytest.approx(out["dm_loss"] + 0.05 * out["gan_g_loss"])
     assert not _same(_weights(actor.model), student)
+
+
+def test_a_lora_critic_scores_with_its_base_as_the_teacher_and_keeps_training(job, tiny_sd3_dir: Path) -> None:
+    manager = job[0]
+    resolved = _resolved(tiny_sd3_dir, use_lora=True, lora_rank=4, lora_alpha=4)
+    critic = Trainer(resolved.trainer_args["critic"], master_port=_port(), total_steps=10)
+    assert critic_state(critic).teacher is None  # the LoRA base is the teacher: no second copy
+    samples = manager.generate_dmd2(0, 1).samples
+    lora = {n: p.detach().clone() for n, p in critic.model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+    first, external = critic.train_dmd2_critic(0, samples, True)
+    second, _ = critic.train_dmd2_critic(1, samples, False)  # no teacher pass in between
+    assert first["grad_norm"] > 0 and second["grad_norm"] > 0
+    assert all(p.requires_grad for n, p in critic.model.named_parameters() if n in lora)
+    assert any(not torch.equal(p.detach(), lora[n]) for n, p in critic.model.named_parameters() if n in lora)
+    assert external is not None and len(external) == len(samples)
