@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from miles.config.errors import ConfigError
-from miles.models.digits_teachers import SFT_TEACHERS
+from miles.models.digits_teachers import SFT_TEACHERS, is_current
 from miles.models.tiny_sd3.metadata import METADATA_FILE, TINY_SD3_NAME
 from miles.utils.paths import file_lock, models_dir
 
@@ -30,8 +30,10 @@ def builtin_checkpoint_dir(name: str) -> Path:
     return models_dir() / name
 
 
-def is_complete(path: Path) -> bool:
-    return (path / METADATA_FILE).is_file() and (path / "model_index.json").is_file()
+def is_complete(path: Path, name: str | None = None) -> bool:
+    """A whole checkpoint; for a digits teacher, also one built with today's step count."""
+    whole = (path / METADATA_FILE).is_file() and (path / "model_index.json").is_file()
+    return whole and (name not in SFT_TEACHERS or is_current(path, name))
 
 
 def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, seed: int = 0) -> Path:
@@ -40,11 +42,15 @@ def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, se
     if not is_builtin_model(name):
         return Path(name).expanduser() if name.startswith("~") else Path(name)
     target = builtin_checkpoint_dir(name)
-    if is_complete(target):
+    if is_complete(target, name):
         return target
     with file_lock(target.parent / f".{name}.lock"):
-        if is_complete(target):  # another process built it while we waited
+        if is_complete(target, name):  # another process built it while we waited
             return target
+        if name in SFT_TEACHERS and is_complete(target):
+            import shutil
+
+            shutil.rmtree(target)  # our own cache, built with another step count: rebuild it
         if target.exists():
             raise ConfigError(
                 f"{target} exists but is not a complete {name} checkpoint; remove it and retry "

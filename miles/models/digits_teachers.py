@@ -3,7 +3,13 @@
 `tiny-sd3-digits-sft` is the teacher (the `tiny-digits-sft` recipe's full run); the short one is an
 under-trained start for RL (`tiny-digits-grpo`), so the reward has room to rise. Each is built in
 this process (one gloo rank, the same Trainer as `miles train sft`), exported as a complete pipeline
-and cached under `$MILES_HOME/models/<name>`.
+and cached under `$MILES_HOME/models/<name>`, stamped with its step count (`digits_teacher.json`):
+a cached copy made with another step count is rebuilt.
+
+The short start sits where the SFT reward curve turns steep (measured, 10-step SDE rollouts of
+`digits:labels` at CFG 4: 450 steps 0.32, 525 steps 0.37, 600 steps 0.54, 675 steps 0.71, 750
+steps 0.94): there the digit reward responds to RL within a few dozen optimizer steps, while from
+450 steps even SFT on the real images gains only +0.06 in 80 steps.
 """
 
 from __future__ import annotations
@@ -13,8 +19,28 @@ from pathlib import Path
 
 SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft": 1000,  # optimizer steps at batch 64
-    "tiny-sd3-digits-sft-short": 450,
+    "tiny-sd3-digits-sft-short": 525,
 }
+STAMP_FILE = "digits_teacher.json"
+# copies made before the stamp existed
+_UNSTAMPED_STEPS = {"tiny-sd3-digits-sft": 1000, "tiny-sd3-digits-sft-short": 450}
+
+
+def built_steps(path: Path, name: str) -> int | None:
+    """The SFT step count a cached teacher was built with (None: unknown)."""
+    import json
+
+    stamp = path / STAMP_FILE
+    if not stamp.is_file():
+        return _UNSTAMPED_STEPS.get(name)
+    try:
+        return int(json.loads(stamp.read_text())["sft_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def is_current(path: Path, name: str) -> bool:
+    return built_steps(path, name) == SFT_TEACHERS[name]
 
 
 def _free_port() -> int:
@@ -24,6 +50,8 @@ def _free_port() -> int:
 
 
 def build_digits_teacher(name: str, target: Path, progress: bool = True) -> Path:
+    import json
+
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -31,6 +59,7 @@ def build_digits_teacher(name: str, target: Path, progress: bool = True) -> Path
     from miles.config.resolve import resolve
     from miles.training.sft_data import encode_sft_dataset
     from miles.training.trainer import Trainer
+    from miles.utils.atomic import atomic_write_text
 
     steps = SFT_TEACHERS[name]
     args = resolve(
@@ -54,6 +83,8 @@ def build_digits_teacher(name: str, target: Path, progress: bool = True) -> Path
                 trainer.train_sft(x0, samples)
                 bar.advance(task)
         trainer.export_pipeline(str(target))
+        stamp = {"name": name, "sft_steps": steps, "recipe": "tiny-digits-sft", "base": "tiny-sd3"}
+        atomic_write_text(target / STAMP_FILE, json.dumps(stamp, indent=2) + "\n")
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
