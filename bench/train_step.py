@@ -35,7 +35,16 @@ def main() -> int:
     from miles.training.trainer import Trainer
 
     checkpoint = ensure_checkpoint("tiny-sd3")
-    cli = {"hf_checkpoint": str(checkpoint), "global_batch_size": 128, "micro_batch_size": 32, "lr": 1e-4}
+    cli = {
+        "hf_checkpoint": str(checkpoint),
+        "prompt_data": "digits:train",
+        "rollout_batch_size": 16,
+        "n_samples_per_prompt": 8,
+        "rollout_microgroup_size": 8,
+        "global_batch_size": 128,
+        "micro_batch_size": 32,
+        "lr": 1e-4,
+    }
     args = resolve("rl", recipe="tiny-digits-grpo", cli=cli).args
     samples = RolloutManager(args).generate(0).samples
     with socket.socket() as s:

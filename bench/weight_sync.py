@@ -37,6 +37,7 @@ def main() -> int:
         "hf_checkpoint": str(ensure_checkpoint("tiny-sd3")),
         "rollout_batch_size": 2,
         "n_samples_per_prompt": 4,
+        "rollout_microgroup_size": 4,
         "global_batch_size": 8,
         "diffusion_num_steps": 4,
         "diffusion_num_sde_steps": 2,

@@ -20,7 +20,7 @@ def _import_torch_optim():
 
 @pytest.fixture(scope="module")
 def base_args():
-    return resolve("rl", recipe="tiny-digits-grpo").args
+    return resolve("rl", recipe="tiny-digits-grpo", cli={"lr_warmup_iters": 0}).args  # each test sets its own schedule
 
 
 def _args(base_args, **updates):

@@ -202,8 +202,21 @@ class DiffusersEngine:
         return samples
 
 
+class _EngineActor(DiffusersEngine):
+    """The engine inside a Ray actor. Ray starts a zero-CPU actor with one intra-op thread; on a CPU
+    machine generation and training take turns, so the engine takes every core while it runs (as
+    the trainer actors do)."""
+
+    def __init__(self, args: Any, device: str | None = None) -> None:
+        import os
+
+        if not torch.cuda.is_available():
+            torch.set_num_threads(max(1, os.cpu_count() or 1))
+        super().__init__(args, device)
+
+
 def engine_actor_class() -> Any:
     """The engine as a Ray actor class (Ray is imported only here)."""
     import ray
 
-    return ray.remote(DiffusersEngine)
+    return ray.remote(_EngineActor)
