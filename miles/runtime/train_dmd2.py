@@ -189,17 +189,9 @@ def critic_save_dir(args: Any) -> str:
 
 
 def resume(args: Any, manager: Any, critic: Any, actor: Any) -> int:
-    """Restore `--load` (student, critic at `<load>/critic`, data source) and sync the student to the engines."""
-    import ray
+    """Restore `--load` as `train rl` does (student, data source, engine sync) and the critic from `<load>/critic`."""
+    from miles.runtime.train_rl import resume as resume_actor
 
-    start = 0
     if args.load:
-        extra = actor.call("load_checkpoint", args.load, args.ckpt_step)[0]
         critic.call("load_checkpoint", f"{args.load.rstrip('/')}/critic", args.ckpt_step)
-        start = int(extra["rollout_id"]) + 1
-        if extra.get("data_source"):
-            ray.get(manager.load_data_source_state.remote(extra["data_source"]))
-        sync_weights(manager, actor, start)
-    if args.start_rollout_id is not None:
-        start = int(args.start_rollout_id)
-    return start
+    return resume_actor(args, manager, actor)

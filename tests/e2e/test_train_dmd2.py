@@ -23,7 +23,8 @@ def test_train_dmd2_tiny_recipe_writes_metrics_eval_grid_and_checkpoint(tiny_sd3
     small = ["--num-rollout", "3", "--dmd2-critic-update-ratio", "2", "--rollout-batch-size", "4"]
     small += ["--global-batch-size", "4", "--eval-prompt-data", "digits", str(prompts)]
     small += ["--n-samples-per-eval-prompt", "2"]
-    assert main([*argv, *small, "--output-dir", str(out)]) == 0
+    save = tmp_path / "ckpt"
+    assert main([*argv, *small, "--output-dir", str(out), "--save", str(save)]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3]
     assert "train/loss" in rows[0] and "train/loss" not in rows[1] and "train/loss" in rows[2]  # TTUR 2
@@ -36,3 +37,12 @@ def test_train_dmd2_tiny_recipe_writes_metrics_eval_grid_and_checkpoint(tiny_sd3
         assert final[f"eval/{variant}/num_samples"] == 12
     assert (out / "dmd2_grid.png").is_file()
     assert (out / "checkpoint" / "transformer").is_dir()
+
+    # resume: both groups come back from --load (the critic from <load>/critic) and the run goes on at 3
+    assert (save / "critic").is_dir()
+    more = [arg if arg != "3" else "4" for arg in small]
+    out2 = tmp_path / "dmd2_resumed"
+    assert main([*argv, *more, "--output-dir", str(out2), "--load", str(save)]) == 0
+    resumed = read_metrics(out2 / "metrics.jsonl")
+    assert [r["rollout_id"] for r in resumed] == [3, 4]
+    assert "critic/loss" in resumed[0] and "train/loss" not in resumed[0]  # iteration 3: a critic-only step
