@@ -214,19 +214,10 @@ def _teacher(trainer: Trainer, state: CriticState) -> Iterator[torch.nn.Module]:
     if state.teacher is not None:
         yield state.teacher
         return
-    from peft.tuners.lora import LoraLayer
+    from miles.training.model import adapters_off
 
-    # Only the flag peft's forward reads: `enable_adapters` also flips requires_grad, which under FSDP2
-    # lands on whichever params (sharded or unsharded) are registered at the time and loses the
-    # adapters' grads after the next reshard.
-    layers = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
-    for layer in layers:
-        layer._disable_adapters = True
-    try:
-        yield trainer.model
-    finally:
-        for layer in layers:
-            layer._disable_adapters = False
+    with adapters_off(trainer.model) as base:  # the critic's base: the teacher
+        yield base
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,6 +43,26 @@ def load_transformer(args: Any, family: TrainPipelineConfig) -> torch.nn.Module:
 
 def lora_targets(args: Any, family: TrainPipelineConfig) -> list[str]:
     return list(args.lora_target_modules or family.lora_target_modules)
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run `model` as its LoRA base: every peft LoRA layer skips its adapter inside the block.
+
+    Only the flag peft's forward reads is flipped. `LoraLayer.enable_adapters` also flips
+    `requires_grad`, which under FSDP2 lands on whichever parameters (sharded or unsharded) are
+    registered at that moment and loses the adapters' gradients after the next reshard.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
 
 
 def apply_lora(model: torch.nn.Module, args: Any, family: TrainPipelineConfig) -> torch.nn.Module:

@@ -25,6 +25,7 @@ from miles.rollout.types import Sample
 from miles.training.custom_hooks import TrainHooks
 from miles.training.model import (
     DTYPES,
+    adapters_off,
     apply_lora,
     family_of,
     full_state_dict,
@@ -128,16 +129,8 @@ class Trainer:
         """Run the reference model: the LoRA base (adapter off) or the EMA weights."""
         mode = self.args.ref_mode
         if mode == "lora_base":
-            from peft.tuners.lora import LoraLayer
-
-            layers = [m for m in self.model.modules() if isinstance(m, LoraLayer)]
-            for layer in layers:
-                layer.enable_adapters(False)
-            try:
+            with adapters_off(self.model):
                 yield
-            finally:
-                for layer in layers:
-                    layer.enable_adapters(True)
         elif mode == "ema":
             if self.ema is None:
                 raise RuntimeError("--ref-mode ema needs --use-ema")
