@@ -18,7 +18,6 @@ and its conditions hold the negative prompt's encoding too when `negative` is se
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 from miles.rollout.dmd2_sampler import backward_simulate, few_step_sample, x0_at
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.seeds import cpu_generator
-from miles.rollout.types import COMPLETED, Conditions, Sample, Trajectory
+from miles.rollout.types import Conditions, Sample, Trajectory
 
 MAX_BATCH = 256
 FEW_STEP_SDE_TYPE = "dmd2_few_step"
@@ -140,16 +139,11 @@ def _run_batch(engine: Any, rows: list[tuple[GenerateRequest, int]]) -> list[Sam
     samples = []
     for i, ((req, b), cond) in enumerate(zip(rows, conds, strict=True)):
         samples.append(
-            Sample(
-                index=req.indices[b],
-                group_index=req.group_index,
-                prompt=req.prompt,
-                metadata=copy.deepcopy(req.metadata),
-                seed=req.seeds[b],
+            req.sample(
+                b,
                 trajectory=trajectories[i],
                 conditions=None if stop_at is None else cond,
                 image=None if images is None else images[i],
-                status=COMPLETED,
                 inference_time_s=elapsed,
             )
         )

@@ -36,3 +36,12 @@ def prepare_inputs(args: Any) -> None:
     for spec in specs:
         if spec is not None and is_builtin_dataset(spec):
             resolve_dataset(spec)
+
+
+def export_final(args: Any, group: Any, what: str = "trained") -> Path:
+    """Rank 0 of `group` writes the trained pipeline to `<output-dir>/checkpoint` (loadable with
+    `from_pretrained`); every training job ends with it."""
+    target = Path(args.output_dir) / "checkpoint"
+    group.call("export_pipeline", str(target))
+    print(f"miles: exported the {what} pipeline to {target}")
+    return target

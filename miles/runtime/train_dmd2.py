@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.config.errors import ConfigError
 from miles.io.loggers import MetricsLogger
+from miles.runtime.output import export_final
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
 from miles.runtime.train_rl import has_eval_data, save_due, sync_weights, train_metrics
@@ -102,9 +103,7 @@ def run(resolved: ResolvedJob) -> int:
             for key, value in sorted(final.items()):
                 if key.endswith(("/accuracy", "/fd")):
                     print(f"{key} = {value:.4f}")
-        target = Path(args.output_dir) / "checkpoint"
-        actor.call("export_pipeline", str(target))
-        print(f"miles: exported the student pipeline to {target}")
+        export_final(args, actor, "student")
         logger.close()
     print(f"miles: train dmd2 finished {num_rollout - start} iterations; metrics in {out / 'metrics.jsonl'}")
     return 0

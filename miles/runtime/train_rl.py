@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.io.loggers import MetricsLogger
+from miles.runtime.output import export_final
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
 
@@ -53,9 +54,7 @@ def run(resolved: ResolvedJob) -> int:
                     save(args, manager, group, rollout_id)
         if has_eval_data(args) and args.eval_interval and start < num_rollout:
             logger.log(num_rollout, run_eval(args, manager, out, num_rollout))
-        target = Path(args.output_dir) / "checkpoint"
-        group.call("export_pipeline", str(target))
-        print(f"miles: exported the trained pipeline to {target}")
+        export_final(args, group)
         logger.close()
     print(f"miles: train rl finished {num_rollout - start} rollouts; metrics in {out / 'metrics.jsonl'}")
     return 0

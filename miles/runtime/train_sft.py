@@ -8,14 +8,13 @@ is exported to `<output-dir>/checkpoint`, loadable with `from_pretrained`.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from miles.io.loggers import MetricsLogger
-from miles.runtime.output import prepare_inputs, prepare_output_dir
+from miles.runtime.output import export_final, prepare_inputs, prepare_output_dir
 from miles.runtime.progress import progress_bar
 from miles.runtime.ray_setup import init_ray
 from miles.runtime.train_rl import train_metrics
@@ -77,9 +76,7 @@ def run(resolved: ResolvedJob) -> int:
                 line = logger.log(it, metrics)
                 advance(line if it % every == 0 or it == num_iters - 1 else "")
         logger.close()
-        target = Path(args.output_dir) / "checkpoint"
-        group.call("export_pipeline", str(target))
-        print(f"miles: exported the trained pipeline to {target}")
+        export_final(args, group)
     finally:
         ray.shutdown()
     return 0

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.rollout.types import Sample
 
 
 @dataclass
@@ -36,3 +40,17 @@ class GenerateRequest:
             raise ValueError(
                 f"request for {m} seeds has {len(self.indices)} indices and {len(self.sde_steps)} step sets"
             )
+
+    def sample(self, b: int, **fields: Any) -> Sample:
+        """The completed sample of this request's b-th seed; `fields` are what the engine produced."""
+        from miles.rollout.types import COMPLETED, Sample  # torch: only once an engine has run
+
+        return Sample(
+            index=self.indices[b],
+            group_index=self.group_index,
+            prompt=self.prompt,
+            metadata=copy.deepcopy(self.metadata),
+            seed=self.seeds[b],
+            status=COMPLETED,
+            **fields,
+        )

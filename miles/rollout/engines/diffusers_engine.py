@@ -22,7 +22,7 @@ from miles.models.tiny_sd3.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.sde import scheduler_schedule, sde_step
 from miles.rollout.seeds import cpu_generator
-from miles.rollout.types import COMPLETED, Conditions, Sample, Trajectory
+from miles.rollout.types import Conditions, Sample, Trajectory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -186,16 +186,11 @@ class DiffusersEngine:
                     noise_level=req.noise_level,
                 )
             samples.append(
-                Sample(
-                    index=req.indices[b],
-                    group_index=req.group_index,
-                    prompt=req.prompt,
-                    metadata=copy.deepcopy(req.metadata),
-                    seed=req.seeds[b],
+                req.sample(
+                    b,
                     trajectory=trajectory,
                     conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, req.guidance_scale),
                     image=images[b],
-                    status=COMPLETED,
                     inference_time_s=elapsed / m,
                 )
             )
