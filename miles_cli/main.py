@@ -222,6 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except typer_exc.Exit as exc:
         return int(exc.exit_code or 0)
+    except Exception as exc:
+        from miles.config.errors import find_engine_failure
+
+        message = find_engine_failure(exc)
+        if message is None:
+            raise
+        print(f"miles: error: {message}", file=sys.stderr)
+        return 1
     return int(result) if isinstance(result, int) else 0
 
 

@@ -13,3 +13,30 @@ class ConfigError(Exception):
 
 class RuntimeUnavailable(Exception):
     """The job's runtime is not built yet (exit code 3)."""
+
+
+class EngineFailure(RuntimeError):
+    """A rollout engine died or misbehaved and the run cannot go on (exit code 1, one line, no traceback).
+
+    The message names the engine (index, URL, pid, log file)."""
+
+
+def find_engine_failure(exc: BaseException) -> str | None:
+    """The message of an `EngineFailure` raised anywhere under `exc` (Ray wraps errors raised in actors:
+    a task error keeps the original as `.cause`; an actor whose constructor raised only keeps its text)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, EngineFailure):
+            cause = getattr(current, "cause", None)
+            if isinstance(cause, EngineFailure):
+                current = cause
+                continue
+            return str(current).strip().splitlines()[-1] if getattr(current, "cause", None) else str(current)
+        current = getattr(current, "cause", None) or current.__cause__
+    marker = "RolloutEngineError: "
+    text = str(exc)
+    if marker in text:
+        return text[text.rindex(marker) + len(marker) :].strip().splitlines()[0]
+    return None

@@ -72,6 +72,7 @@ class RolloutManager:
         self._data_source: Any = None
         self.strategy = resolve_step_strategy(args)
         self.use_ray_engines = use_ray_engines
+        self.sglang: Any = None  # SglangRollout under --rollout-backend sglang
         self.engines = engines if engines is not None else self._make_engines()
         if use_ray_engines:
             self._make_reward_pools()
@@ -95,6 +96,11 @@ class RolloutManager:
 
     def _make_engines(self) -> list[Any]:
         num = num_engines(self.args)
+        if getattr(self.args, "rollout_backend", "diffusers") == "sglang":
+            from miles.rollout.engines.sglang.rollout import SglangRollout
+
+            self.sglang = SglangRollout(self.args, num)
+            return self.sglang.engines
         if not self.use_ray_engines:
             from miles.rollout.engines.diffusers_engine import DiffusersEngine
 
@@ -122,6 +128,8 @@ class RolloutManager:
     # ---- phase 4: weight sync -------------------------------------------------------------
     def update_weights(self, state: dict[str, Any], version: int) -> int:
         """Push `state` to every engine in chunks of `--update-weight-buffer-size` bytes; returns tensors sent."""
+        if self.sglang is not None:
+            return self.sglang.update_weights(state, version)
         chunks = chunk_state_dict(state, int(self.args.update_weight_buffer_size))
         sent = 0
         for chunk in chunks:
@@ -134,6 +142,24 @@ class RolloutManager:
             else:
                 sent = sum(e.update_weights(chunk, version) for e in self.engines) // len(self.engines)
         return len(state) if chunks else sent
+
+    def sync_metrics(self) -> dict[str, float]:
+        """What the last weight sync measured (sglang engines: tensors verified, engines agreeing)."""
+        return dict(self.sglang.sync_metrics) if self.sglang is not None else {}
+
+    def engine_info(self) -> list[dict[str, Any]]:
+        """Per engine: url, pid, log, start seconds, restarts (sglang engines only)."""
+        if self.sglang is None:
+            return []
+        return [dict(info) for info in self.sglang.infos]
+
+    def restart_log(self) -> list[dict[str, Any]]:
+        return list(self.sglang.restart_log) if self.sglang is not None else []
+
+    def shutdown(self) -> None:
+        """Stop the engine servers (sglang) and the router."""
+        if self.sglang is not None:
+            self.sglang.shutdown()
 
     def engine_state_dict(self, index: int = 0) -> dict[str, Any]:
         engine = self.engines[index]
@@ -165,8 +191,11 @@ class RolloutManager:
         return metrics, by_name
 
     # ---- phases 1 and 2 --------------------------------------------------------------------
-    def run_requests(self, requests: list[GenerateRequest]) -> list[Sample]:
-        """Spread the requests over the engines (round robin) and gather the samples."""
+    def run_requests(self, requests: list[GenerateRequest], score: bool = False) -> list[Sample]:
+        """Spread the requests over the engines (round robin) and gather the samples. sglang engines are
+        reached through the miles router, and with `score` each microgroup is scored as soon as it arrives."""
+        if self.sglang is not None:
+            return self.sglang.run(requests, score=score)
         shards: list[list[GenerateRequest]] = [[] for _ in self.engines]
         for i, request in enumerate(requests):
             shards[i % len(self.engines)].append(request)
@@ -190,14 +219,14 @@ class RolloutManager:
         start = time.perf_counter()
         groups = self.data_source.get_samples(int(args.rollout_batch_size))
         requests = build_requests(args, groups, self.strategy)
-        by_index = {s.index: s for s in self.run_requests(requests)}
+        by_index = {s.index: s for s in self.run_requests(requests, score=True)}
         generated = time.perf_counter()
         groups = [[_merge(s, by_index[s.index]) for s in group] for group in groups]
         flat = [s for group in groups for s in group]
         if args.group_rm:
             asyncio.run(score_groups(args, groups))
-        else:
-            asyncio.run(score_samples(args, flat))
+        elif any(s.reward is None for s in flat):
+            asyncio.run(score_samples(args, [s for s in flat if s.reward is None]))
         scored = time.perf_counter()
 
         kept, dropped = apply_dynamic_filter(args, groups)
@@ -248,6 +277,8 @@ def _merge(planned: Sample, done: Sample) -> Sample:
 
 
 def num_engines(args: Any) -> int:
+    if getattr(args, "rollout_num_engines", None):
+        return int(args.rollout_num_engines)
     total = args.rollout_num_gpus
     if total is None or not _cluster_has_gpus():
         return 1  # a CPU machine runs one in-process engine

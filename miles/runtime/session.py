@@ -22,12 +22,15 @@ def ray_job(resolved: ResolvedJob, args: Any, with_manager: bool = True) -> Iter
     out = prepare_output_dir(resolved)
     prepare_inputs(args)
     init_ray(args)
+    manager = None
     try:
-        manager = None
         if with_manager:
             from miles.rollout.manager import manager_actor_class
 
             manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
         yield out, manager
     finally:
+        if manager is not None:
+            with contextlib.suppress(Exception):
+                ray.get(manager.shutdown.remote(), timeout=60)
         ray.shutdown()

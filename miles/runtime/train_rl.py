@@ -136,5 +136,6 @@ def run_iteration(args: Any, manager: Any, group: Any, rollout_id: int) -> tuple
         t1 = time.perf_counter()
         sync_weights(manager, group, rollout_id + 1)
         metrics["perf/sync_time"] = time.perf_counter() - t1
+        metrics.update(ray.get(manager.sync_metrics.remote()))
     metrics["perf/step_time"] = time.perf_counter() - t0
     return metrics, batch

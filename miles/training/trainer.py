@@ -320,9 +320,11 @@ class Trainer:
         return merged_base_state_dict(state, self.args) if self.args.use_lora else state
 
     def weights_for_sync(self) -> dict[str, torch.Tensor]:
-        """What one sync pushes to the engines: `engine_weights()`, or under --lora-ipc-weight-sync only the
-        LoRA tensors (`miles.models.lora_sync`: the engines merge them into their base weights)."""
-        if not (self.args.use_lora and self.args.lora_ipc_weight_sync):
+        """What one sync pushes to the engines: `engine_weights()`, or under --lora-ipc-weight-sync (and for
+        LoRA on sglang engines, which take the adapter through `/v1/set_lora`) only the LoRA tensors
+        (`miles.models.lora_sync`: the engines merge them into their base weights)."""
+        lora_only = self.args.lora_ipc_weight_sync or getattr(self.args, "rollout_backend", None) == "sglang"
+        if not (self.args.use_lora and lora_only):
             return self.engine_weights()
         from miles.models.lora_sync import lora_sync_payload
 

@@ -147,6 +147,42 @@ FLAGS: list[Flag] = [
         "Prompts sampled per rollout before filtering; must equal --rollout-batch-size today.",
         min=1,
     ),
+    _f(
+        "rollout-backend",
+        ENUM,
+        "auto",
+        "Rollout engines: sglang-diffusion servers, or the in-process diffusers engine. auto: sglang where "
+        "an sglang environment is installed and GPUs exist, else diffusers.",
+        choices=("auto", "diffusers", "sglang"),
+    ),
+    _f(
+        "rollout-num-engines",
+        INT,
+        None,
+        "Rollout engines to run; unset: --rollout-num-gpus / --rollout-num-gpus-per-engine on GPUs, one on a "
+        "CPU machine.",
+        min=1,
+    ),
+    _f(
+        "sglang-python",
+        PATH,
+        None,
+        "Python of the sglang environment the servers run from (sglang pins its own torch); unset: "
+        "$MILES_SGLANG_PYTHON, then ~/.cache/miles/sglang-env/bin/python, then this Python if it has sglang.",
+    ),
+    _f(
+        "rollout-engine-host",
+        STR,
+        "127.0.0.1",
+        "Address the sglang servers and the miles router bind to.",
+    ),
+    _f(
+        "sglang-start-timeout",
+        FLOAT,
+        600.0,
+        "Seconds an sglang server may take to answer /health 200 (load and warm-up) before it counts as failed.",
+        min=1,
+    ),
     _f("sglang-server-concurrency", INT, 512, "Maximum in-flight requests per engine.", min=1),
     _f(
         "use-distributed-post",

@@ -6,7 +6,7 @@ naming the flags, their values and where they came from. They run in the order l
 
 from __future__ import annotations
 
-from miles.config.rules import algorithm, batch, data, misc, topology
+from miles.config.rules import algorithm, batch, data, engines, misc, topology
 
 SHARED_RULES = (
     *topology.RULES,
@@ -14,4 +14,5 @@ SHARED_RULES = (
     *algorithm.RULES,
     *data.RULES,
     *misc.RULES,
+    *engines.RULES,
 )

@@ -1,0 +1,36 @@
+"""Rollout-engine rules: which backend runs the rollouts, and what the sglang one needs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles.config.resolution import Resolution
+
+if TYPE_CHECKING:
+    from miles.config.jobs import JobSpec
+
+
+def resolve_backend(res: Resolution, job: JobSpec) -> None:
+    from miles.rollout.engines.sglang.server import gpus_present, resolve_sglang_python
+
+    python = resolve_sglang_python(res["sglang_python"])
+    if res["rollout_backend"] == "auto":
+        res.derive("rollout_backend", "sglang" if python is not None and gpus_present() else "diffusers")
+    if res["rollout_backend"] != "sglang" or not job.generates:
+        return
+    if res["sglang_python"] and python is None:
+        res.fail(f"{res.show('sglang_python')}: no such file")
+    if python is None:
+        res.fail(
+            f"{res.show('rollout_backend')} needs an sglang environment: build one with "
+            "scripts/build_sglang_env.sh, or point --sglang-python (or $MILES_SGLANG_PYTHON) at its python"
+        )
+    if job.name == "dmd2":
+        res.fail(f"{res.show('rollout_backend')}: train dmd2 samples its few-step student on the diffusers backend")
+    if not res["use_miles_router"]:
+        if res.explicit("use_miles_router"):
+            res.fail(f"{res.show('use_miles_router')}: sglang engines are reached through the miles router")
+        res.derive("use_miles_router", True)
+
+
+RULES = (resolve_backend,)

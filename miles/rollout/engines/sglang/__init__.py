@@ -1,0 +1,5 @@
+"""Rollout on sglang-diffusion servers: protocol, launcher, engine actors, client and weight sync.
+
+The servers run from their own Python environment (`--sglang-python`), reached over HTTP only, so
+nothing here imports sglang.
+"""

@@ -1,0 +1,172 @@
+"""One sglang-diffusion engine: a Ray actor that owns a server process and speaks its admin endpoints.
+
+The actor is placed like the diffusers engine (`--rollout-num-gpus-per-engine` GPUs on a GPU cluster,
+none on a CPU machine) and pins its server to the GPUs Ray gave it. Rollout traffic does not go
+through the actor: the client posts `/rollout/generate` to the miles router, which forwards to the
+server's URL. The actor handles what is per engine: start, health, restart, weight updates and their
+verification.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import requests
+
+from miles.rollout.engines.sglang.server import NATIVE_MODEL_IDS, ServerSpec, SglangServer
+
+
+class EngineRequestError(RuntimeError):
+    """An admin request to an engine failed; the message names the engine and the endpoint."""
+
+
+class SglangEngine:
+    """Launches the server in __init__ (returns once `/health` is 200)."""
+
+    def __init__(self, args: Any, index: int, python: str, model_path: str, log_dir: str) -> None:
+        self.args = args
+        self.index = index
+        self.name = f"engine {index}"
+        self.spec = ServerSpec(
+            python=python,
+            model_path=model_path,
+            host=args.rollout_engine_host,
+            model_id=_model_id(args),
+            precision=args.diffusion_forward_dtype,
+            num_gpus=int(args.rollout_num_gpus_per_engine),
+            warmup=(int(args.diffusion_width), int(args.diffusion_height)),
+            passthrough=dict(args.sglang_args or {}),
+            env=_engine_env(args),
+            name=self.name,
+        )
+        self.server = SglangServer(self.spec, log_dir)
+        self.restarts = 0
+        self.start_seconds = self._launch()
+
+    def _launch(self) -> float:
+        self.server.start()
+        return self.server.wait_ready(timeout=float(self.args.sglang_start_timeout))
+
+    # ---- identity and health --------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.spec.url,
+            "pid": self.server.pid,
+            "log": str(self.server.log_path),
+            "start_seconds": self.start_seconds,
+            "restarts": self.restarts,
+        }
+
+    def health(self) -> bool:
+        return self.server.alive() and self.server.healthy(timeout=float(self.args.rollout_health_check_timeout))
+
+    def restart(self) -> dict[str, Any]:
+        """Stop what is left of the server and start a new one on a fresh port."""
+        self.server.stop(grace=2.0)
+        self.spec.port = 0
+        self.restarts += 1
+        self.start_seconds = self._launch()
+        return self.info()
+
+    def shutdown(self) -> None:
+        self.server.stop()
+
+    # ---- weights --------------------------------------------------------------------------------
+    def _post(self, path: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        try:
+            resp = requests.post(self.spec.url + path, json=body, timeout=timeout)
+        except requests.RequestException as exc:
+            raise EngineRequestError(f"sglang {self.name} at {self.spec.url}: POST {path} failed: {exc}") from exc
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {"message": resp.text[:500]}
+        if resp.status_code != 200 or data.get("success") is False or data.get("status") == "error":
+            raise EngineRequestError(
+                f"sglang {self.name} at {self.spec.url}: POST {path} answered {resp.status_code}: "
+                f"{data.get('message') or data.get('detail') or data}"
+            )
+        return data
+
+    def update_weights_from_disk(self, model_path: str) -> float:
+        """Load `<model_path>/transformer/*.safetensors` into the served transformer; seconds it took."""
+        start = time.perf_counter()
+        self._post("/update_weights_from_disk", {"model_path": model_path, "target_modules": ["transformer"]})
+        return time.perf_counter() - start
+
+    def set_lora(self, path: str, nickname: str, lora_alpha: int) -> float:
+        """Activate the diffusers-format adapter at `path` on the transformer, merged into its weights."""
+        start = time.perf_counter()
+        self._post(
+            "/v1/set_lora",
+            {
+                "lora_nickname": nickname,
+                "lora_path": path,
+                "target": "transformer",
+                "merge_mode": "merge",
+                "lora_alpha": int(lora_alpha),
+            },
+        )
+        return time.perf_counter() - start
+
+    def active_lora(self) -> list[dict[str, Any]]:
+        resp = requests.get(self.spec.url + "/v1/list_loras", timeout=60)
+        if resp.status_code != 200:
+            return []
+        return list((resp.json().get("active") or {}).get("transformer") or [])
+
+    def verify_weights(self, expected_sha256: dict[str, str]) -> str:
+        """Ask the server to compare its live transformer tensors with `expected_sha256` (per tensor:
+        dtype, shape and bytes); raises naming the tensors that differ."""
+        data = self._post(
+            "/update_weights_from_tensor_checker",
+            {"target_module": "transformer", "expected_named_tensors_sha256": expected_sha256},
+        )
+        return str(data.get("message", ""))
+
+    def weights_checksum(self) -> str:
+        resp = requests.post(
+            self.spec.url + "/get_weights_checksum", json={"module_names": ["transformer"]}, timeout=60
+        )
+        resp.raise_for_status()
+        return str(resp.json().get("transformer"))
+
+
+def _model_id(args: Any) -> str | None:
+    if (args.sglang_args or {}).get("model_id"):
+        return None  # the passthrough sets it
+    from miles.models.families import resolve_family
+
+    family = resolve_family(
+        args.hf_checkpoint,
+        family=args.diffusion_model_family,
+        config_path=args.train_pipeline_config_path,
+        require_trainable=False,
+    )
+    return NATIVE_MODEL_IDS.get(family.name)
+
+
+def _engine_env(args: Any) -> dict[str, str]:
+    """Pin the server to the actor's GPUs; on a CPU machine share the cores between the engines."""
+    env: dict[str, str] = {}
+    try:
+        import ray
+
+        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    except Exception:  # pragma: no cover - outside Ray
+        gpu_ids = []
+    if gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpu_ids)
+    else:
+        engines = max(1, int(args.rollout_num_engines or 1))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
+    return env
+
+
+def engine_actor_class() -> Any:
+    import ray
+
+    return ray.remote(SglangEngine)

@@ -1,0 +1,173 @@
+"""The `POST /rollout/generate` protocol of sglang-diffusion: requests out, samples back.
+
+One miles microgroup (`GenerateRequest`) becomes one server request when its seeds are consecutive and
+every sample runs the same SDE steps (the server expands `seed` to `seed .. seed+M-1` and takes one step
+list per request); otherwise it is split into runs that are (`server_requests`).
+
+The response is msgpack: a list with one entry per output, every tensor encoded as
+`{"__tensor__": true, "data": <safetensors bytes of {"t": tensor}>, ...}`. `samples_from_outputs`
+turns it into the same `Sample`/`Trajectory`/`Conditions` the diffusers engine returns:
+
+    dit_trajectory.latents   [T+1, C, h, w]  x_0 .. x_T        -> Trajectory.latents
+    dit_trajectory.timesteps [T+1] (ends in 0)                  -> Trajectory.timesteps[:T]
+    dit_trajectory.sigmas    [T+1] (ends in 0)                  -> Trajectory.sigmas
+    rollout_log_probs        [T], per-step mean over elements   -> Trajectory.log_probs at the SDE steps
+    denoising_env.pos/neg_cond_kwargs                           -> Conditions.positive / negative
+    generated_output         [3, H, W] in [0, 1]                -> Sample.image
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from miles.rollout.engines.base import GenerateRequest
+
+if TYPE_CHECKING:
+    from miles.rollout.types import Sample
+
+GENERATE_PATH = "/rollout/generate"
+
+
+def server_requests(req: GenerateRequest) -> list[GenerateRequest]:
+    """`req` split into runs of consecutive seeds with identical SDE steps (usually just `[req]`)."""
+    runs: list[list[int]] = []
+    for b in range(len(req.seeds)):
+        if runs:
+            last = runs[-1][-1]
+            if req.seeds[b] == req.seeds[last] + 1 and req.sde_steps[b] == req.sde_steps[last]:
+                runs[-1].append(b)
+                continue
+        runs.append([b])
+    if len(runs) == 1:
+        return [req]
+    return [
+        replace(
+            req,
+            indices=[req.indices[b] for b in run],
+            seeds=[req.seeds[b] for b in run],
+            sde_steps=[req.sde_steps[b] for b in run],
+        )
+        for run in runs
+    ]
+
+
+def rollout_payload(req: GenerateRequest, generator_device: str = "cpu") -> dict[str, Any]:
+    """The JSON body of one `POST /rollout/generate` (`req` must already be one server request)."""
+    payload: dict[str, Any] = {
+        "prompt": req.prompt,
+        "negative_prompt": req.negative_prompt if req.negative_prompt is not None else " ",
+        "seed": int(req.seeds[0]),  # the server requires a seed; output i uses seed + i
+        "generator_device": generator_device,
+        "width": int(req.width),
+        "height": int(req.height),
+        "num_inference_steps": int(req.num_steps),
+        "num_outputs_per_prompt": len(req.seeds),
+        "guidance_scale": float(req.guidance_scale),
+        "rollout": not req.evaluation,
+        "suppress_logs": True,
+    }
+    if req.evaluation:
+        return payload
+    steps = req.sde_steps[0]
+    stochastic = req.sde_type != "ode" and req.noise_level > 0 and bool(steps)
+    payload.update(
+        rollout_sde_type=req.sde_type if stochastic else "ode",
+        rollout_noise_level=float(req.noise_level) if stochastic else 0.0,
+        rollout_debug_mode=False,
+        rollout_return_denoising_env=True,
+        rollout_return_dit_trajectory=True,
+    )
+    if stochastic:
+        payload["rollout_sde_step_indices"] = sorted(int(s) for s in steps)
+    return payload
+
+
+def decode_tensors(obj: Any) -> Any:
+    """Replace every encoded tensor in a decoded msgpack tree by the tensor."""
+    if isinstance(obj, dict):
+        if obj.get("__tensor__"):
+            from safetensors.torch import load
+
+            return load(bytes(obj["data"]))["t"]
+        return {k: decode_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_tensors(v) for v in obj]
+    return obj
+
+
+def decode_body(body: bytes) -> list[dict[str, Any]]:
+    """A `/rollout/generate` response body: one dict per output, tensors decoded."""
+    import msgpack
+
+    outputs = decode_tensors(msgpack.unpackb(body, raw=False))
+    if not isinstance(outputs, list):
+        raise ValueError(f"rollout response is a {type(outputs).__name__}, expected a list of outputs")
+    return outputs
+
+
+def samples_from_outputs(req: GenerateRequest, outputs: list[dict[str, Any]]) -> list[Sample]:
+    """The completed samples of one server request, in seed order."""
+    from miles.rollout.types import Conditions, Trajectory
+
+    m = len(req.seeds)
+    if len(outputs) != m:
+        raise ValueError(f"engine returned {len(outputs)} outputs for {m} seeds (prompt {req.prompt!r})")
+    samples: list[Sample] = []
+    for b, out in enumerate(outputs):
+        image = out["generated_output"].float()
+        elapsed = float(out.get("inference_time_s") or 0.0) / m
+        if req.evaluation:
+            samples.append(req.sample(b, trajectory=None, conditions=None, image=image, inference_time_s=elapsed))
+            continue
+        dit = out["dit_trajectory"]
+        latents = dit["latents"].float()
+        num_steps = latents.shape[0] - 1
+        steps = sorted(req.sde_steps[b]) if req.sde_type != "ode" and req.noise_level > 0 else []
+        all_log_probs = out.get("rollout_log_probs")
+        log_probs = all_log_probs.float()[steps].clone() if steps and all_log_probs is not None else None
+        trajectory = Trajectory(
+            latents=latents,
+            timesteps=dit["timesteps"].float()[:num_steps].clone(),
+            sigmas=dit["sigmas"].float().clone(),
+            sde_step_indices=steps,
+            log_probs=log_probs if log_probs is not None else _empty(),
+            sde_type=req.sde_type,
+            noise_level=req.noise_level,
+        )
+        env = out.get("denoising_env") or {}
+        positive = _cond_rows(env.get("pos_cond_kwargs"))
+        negative = _cond_rows(env.get("neg_cond_kwargs")) if req.guidance_scale > 1.0 else None
+        samples.append(
+            req.sample(
+                b,
+                trajectory=trajectory,
+                conditions=Conditions(positive, negative, req.guidance_scale),
+                image=image,
+                inference_time_s=elapsed,
+            )
+        )
+    return samples
+
+
+def parse_response(req: GenerateRequest, body: bytes) -> list[Sample]:
+    return samples_from_outputs(req, decode_body(body))
+
+
+def _cond_rows(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The engine's condition tensors of one output, without the batch dim (float32)."""
+    if not kwargs:
+        raise ValueError("engine response has no denoising_env condition tensors (rollout_return_denoising_env)")
+    rows = {}
+    for key, value in kwargs.items():
+        if value is None:
+            continue
+        tensor = value.float()
+        rows[key] = tensor[0].clone() if tensor.dim() >= 2 and tensor.shape[0] == 1 else tensor.clone()
+    return rows
+
+
+def _empty() -> Any:
+    import torch
+
+    return torch.zeros(0)

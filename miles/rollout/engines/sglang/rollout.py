@@ -1,0 +1,353 @@
+"""The sglang side of the rollout manager: engines, the miles router, the client, weight sync and
+fault tolerance.
+
+    engines   one `SglangEngine` Ray actor per engine, each owning a server process
+    router    `MilesRouter` in this process: least-loaded over the engines, at most
+              --sglang-server-concurrency requests each, health checks every
+              --rollout-health-check-interval s (after --rollout-health-check-first-wait), an engine
+              out after --miles-router-health-check-failure-threshold failed checks or a refused connection
+    client    one `POST /rollout/generate` per microgroup through the router (all in flight at once up
+              to the concurrency cap), responses decoded in --rollout-parser-num-workers Ray actors,
+              each microgroup's rewards started as soon as it is parsed
+    sync      full weights from disk or the LoRA adapter, then every engine's tensors checked (`sync.py`)
+
+With --use-fault-tolerance a removed engine is restarted (new process, new port), brought to the last
+synced weights, verified and put back in the router; its requests were already re-sent to the others by
+the router. Without it the rollout stops with one error naming the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from miles.config.errors import EngineFailure
+from miles.rollout.engines.base import GenerateRequest
+from miles.rollout.engines.sglang.protocol import GENERATE_PATH, parse_response, rollout_payload, server_requests
+from miles.rollout.types import Sample
+
+logger = logging.getLogger("miles.rollout.sglang")
+
+
+class RolloutEngineError(EngineFailure):
+    """An engine failed and the run cannot go on; the message names the engine."""
+
+
+class _Parser:
+    """A Ray actor that decodes responses off the manager's event loop."""
+
+    def parse(self, request: GenerateRequest, body: bytes) -> list[Sample]:
+        return parse_response(request, body)
+
+
+class SglangRollout:
+    def __init__(self, args: Any, num: int) -> None:
+        import ray
+
+        from miles.models.checkpoints import ensure_checkpoint
+        from miles.rollout.engines.sglang.engine import engine_actor_class
+        from miles.rollout.engines.sglang.server import resolve_sglang_python
+        from miles.rollout.router import MilesRouter, RouterConfig
+
+        self.args = args
+        python = resolve_sglang_python(args.sglang_python)
+        if python is None:
+            raise RolloutEngineError(
+                "--rollout-backend sglang: no sglang environment found "
+                f"(--sglang-python {args.sglang_python}, $MILES_SGLANG_PYTHON, ~/.cache/miles/sglang-env); "
+                "build one with scripts/build_sglang_env.sh"
+            )
+        self.root = Path(args.output_dir or ".") / "engines"
+        model_path = str(ensure_checkpoint(args.hf_checkpoint))
+        gpus = args.rollout_num_gpus_per_engine if _has_gpus() else 0
+        actor = engine_actor_class().options(num_gpus=gpus, num_cpus=0, max_concurrency=4)
+        self.engines = [actor.remote(args, i, python, model_path, str(self.root)) for i in range(num)]
+        self.infos: list[dict[str, Any]] = []
+        for i, engine in enumerate(self.engines):
+            try:
+                self.infos.append(ray.get(engine.info.remote()))
+            except Exception as exc:
+                self.shutdown()
+                raise RolloutEngineError(f"sglang engine {i} failed to start: {_root_cause(exc)}") from None
+        for i, info in enumerate(self.infos):
+            print(
+                f"miles: sglang engine {i} at {info['url']} (pid {info['pid']}) ready in "
+                f"{info['start_seconds']:.1f} s; log {info['log']}",
+                flush=True,
+            )
+        self.lock = threading.Lock()
+        self.failed: dict[str, str] = {}  # engine name -> why (without fault tolerance)
+        self.restarting = 0
+        self.restart_log: list[dict[str, Any]] = []
+        self.last_sync: tuple[str, Any] | None = None
+        self.sync_metrics: dict[str, float] = {}
+        self._base_sha: dict[str, str] | None = None
+        self._params: frozenset[str] | None = None
+        self.router = MilesRouter(
+            RouterConfig(
+                concurrency=int(args.sglang_server_concurrency),
+                timeout=args.miles_router_timeout,
+                max_connections=args.miles_router_max_connections,
+                health_check_interval=float(args.rollout_health_check_interval),
+                health_check_timeout=float(args.rollout_health_check_timeout),
+                health_check_first_wait=float(args.rollout_health_check_first_wait),
+                failure_threshold=int(args.miles_router_health_check_failure_threshold),
+            ),
+            on_engine_removed=self._on_removed,
+        )
+        self.router.start()
+        for info in self.infos:
+            self.router.add_worker(info["url"])
+        workers = max(1, int(args.rollout_parser_num_workers))
+        parser = ray.remote(_Parser).options(num_cpus=0)
+        self.parsers = [parser.remote() for _ in range(workers)]
+        self._next_parser = 0
+
+    # ---- engines ------------------------------------------------------------------------------
+    def _index_of(self, url: str) -> int | None:
+        for i, info in enumerate(self.infos):
+            if info["url"].rstrip("/") == url.rstrip("/"):
+                return i
+        return None
+
+    def _describe(self, i: int) -> str:
+        info = self.infos[i]
+        return f"sglang engine {i} at {info['url']} (pid {info['pid']}, log {info['log']})"
+
+    def _on_removed(self, url: str, reason: str) -> None:
+        """Router callback (its own thread): restart under fault tolerance, else remember the failure."""
+        i = self._index_of(url)
+        if i is None:
+            return
+        who = self._describe(i)
+        if not self.args.use_fault_tolerance:
+            with self.lock:
+                self.failed[who] = reason
+            print(f"miles: {who} was removed: {reason}", flush=True)
+            return
+        with self.lock:
+            self.restarting += 1
+        try:
+            print(f"miles: {who} was removed ({reason}); restarting it (--use-fault-tolerance)", flush=True)
+            self._restart(i, reason)
+        except Exception as exc:
+            with self.lock:
+                self.failed[who] = f"{reason}; restart failed: {_root_cause(exc)}"
+            print(f"miles: restarting {who} failed: {_root_cause(exc)}", flush=True)
+        finally:
+            with self.lock:
+                self.restarting -= 1
+
+    def _restart(self, i: int, reason: str) -> None:
+        import ray
+
+        start = time.perf_counter()
+        old = self.infos[i]
+        info = ray.get(self.engines[i].restart.remote())
+        self.infos[i] = info
+        restored = "checkpoint weights (no sync yet)"
+        if self.last_sync is not None:
+            verified = self._apply_sync([i], *self.last_sync)
+            restored = f"weights of the last sync restored and verified ({verified} tensors)"
+        self.router.add_worker(info["url"])
+        seconds = time.perf_counter() - start
+        self.restart_log.append(
+            {"engine": i, "reason": reason, "old_url": old["url"], "new_url": info["url"], "seconds": seconds}
+        )
+        print(
+            f"miles: restarted sglang engine {i}: {old['url']} (pid {old['pid']}) -> {info['url']} "
+            f"(pid {info['pid']}) in {seconds:.1f} s; {restored}",
+            flush=True,
+        )
+
+    def _raise_failures(self) -> None:
+        with self.lock:
+            failed = dict(self.failed)
+        if failed:
+            who, reason = next(iter(failed.items()))
+            raise RolloutEngineError(
+                f"{who} failed: {reason}. Pass --use-fault-tolerance to restart dead engines and go on."
+            )
+
+    def shutdown(self) -> None:
+        import ray
+
+        router = getattr(self, "router", None)
+        if router is not None:
+            router.stop()
+        for engine in self.engines:
+            with contextlib.suppress(Exception):
+                ray.get(engine.shutdown.remote(), timeout=30)
+
+    # ---- rollout ------------------------------------------------------------------------------
+    def run(self, requests: list[GenerateRequest], score: bool = True) -> list[Sample]:
+        """Generate every request; with `score`, each microgroup's rewards are computed as it arrives."""
+        self._raise_failures()
+        samples = asyncio.run(self._run(requests, score))
+        self._raise_failures()
+        return samples
+
+    async def _run(self, requests: list[GenerateRequest], score: bool) -> list[Sample]:
+        import aiohttp
+
+        cap = int(self.args.sglang_server_concurrency) * len(self.engines)
+        semaphore = asyncio.Semaphore(cap)
+        timeout = aiohttp.ClientTimeout(total=None)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            tasks = [
+                self._one(session, semaphore, sub, score) for request in requests for sub in server_requests(request)
+            ]
+            results = await asyncio.gather(*tasks)
+        return [sample for result in results for sample in result]
+
+    async def _one(self, session: Any, semaphore: asyncio.Semaphore, request: GenerateRequest, score: bool) -> Any:
+        from miles.rollout.rm_hub.dispatch import score_samples
+
+        payload = rollout_payload(request, self.args.diffusion_generator_device)
+        url = self.router.url + GENERATE_PATH
+        async with semaphore:
+            body = await self._post(session, url, payload, request)
+        parser = self.parsers[self._next_parser % len(self.parsers)]
+        self._next_parser += 1
+        samples = await parser.parse.remote(request, body)
+        if score and not self.args.group_rm and not request.evaluation:
+            await score_samples(self.args, samples)
+        return samples
+
+    async def _post(self, session: Any, url: str, payload: dict[str, Any], request: GenerateRequest) -> bytes:
+        """POST through the router; while a restart is under way, wait for it instead of failing."""
+        deadline = time.monotonic() + float(self.args.sglang_start_timeout) + 60.0
+        while True:
+            async with session.post(url, json=payload) as resp:
+                body = await resp.read()
+                if resp.status == 200:
+                    return body
+                engine = resp.headers.get("X-Miles-Engine", "the router")
+            if resp.status == 503 and self.args.use_fault_tolerance and time.monotonic() < deadline:
+                with self.lock:
+                    pending = self.restarting
+                if pending or not self.router.workers():
+                    await asyncio.sleep(0.5)
+                    continue
+            self._raise_failures()
+            raise RolloutEngineError(
+                f"rollout request for prompt {request.prompt!r} (seed {request.seeds[0]}) failed at {engine}: "
+                f"HTTP {resp.status}: {body[:500].decode(errors='replace')}"
+            )
+
+    # ---- weights ------------------------------------------------------------------------------
+    def update_weights(self, state: dict[str, Any], version: int) -> int:
+        from miles.models.lora_sync import is_lora_entry
+
+        start = time.perf_counter()
+        self._raise_failures()
+        root = self.root / "weights"
+        if state and all(is_lora_entry(name) for name in state):
+            from miles.rollout.engines.sglang.sync import write_lora_adapter
+
+            path, alpha = write_lora_adapter(state, root, version)
+            sync: tuple[str, Any] = ("lora", (str(path), f"miles-v{version}", alpha))
+        else:
+            from miles.rollout.engines.sglang.sync import expected_sha256, write_transformer
+
+            dtype = _dtype(self.args.diffusion_forward_dtype)
+            path = write_transformer(state, root, version, dtype)
+            params = self._param_names()
+            sync = ("disk", (str(path), expected_sha256({k: v for k, v in state.items() if k in params}, dtype)))
+        written = time.perf_counter()
+        verified = self._apply_sync(list(range(len(self.engines))), *sync)
+        self.last_sync = sync
+        checksums = self._checksums()
+        self.sync_metrics = {
+            "sync/verified_tensors": float(verified),
+            "sync/engines": float(len(self.engines)),
+            "sync/engines_agree": float(len(set(checksums)) == 1),
+            "sync/write_time": written - start,
+            "sync/engine_time": time.perf_counter() - written,
+        }
+        return len(state)
+
+    def _apply_sync(self, indices: list[int], kind: str, data: Any) -> int:
+        """Load one sync into the engines `indices` and verify them; returns tensors verified per engine."""
+        import ray
+
+        if kind == "disk":
+            path, expected = data
+            ray.get([self.engines[i].update_weights_from_disk.remote(path) for i in indices])
+        else:
+            path, nickname, alpha = data
+            ray.get([self.engines[i].set_lora.remote(path, nickname, alpha) for i in indices])
+            expected = self._lora_base_sha()
+            for i in indices:
+                active = ray.get(self.engines[i].active_lora.remote())
+                names = [a.get("nickname") for a in active]
+                if names != [nickname]:
+                    raise RolloutEngineError(
+                        f"{self._describe(i)} runs LoRA adapters {names} after set_lora, expected [{nickname!r}]"
+                    )
+        try:
+            ray.get([self.engines[i].verify_weights.remote(expected) for i in indices])
+        except Exception as exc:
+            raise RolloutEngineError(f"weight sync verification failed: {_root_cause(exc)}") from None
+        return len(expected)
+
+    def _lora_base_sha(self) -> dict[str, str]:
+        """The frozen base weights every LoRA engine must still hold, under sglang's wrapped names."""
+        if self._base_sha is None:
+            from safetensors.torch import load_file
+
+            from miles.models.checkpoints import ensure_checkpoint
+            from miles.rollout.engines.sglang.sync import expected_sha256, lora_wrapped_names
+
+            files = sorted((Path(ensure_checkpoint(self.args.hf_checkpoint)) / "transformer").glob("*.safetensors"))
+            base: dict[str, Any] = {}
+            for file in files:
+                base.update(load_file(str(file)))
+            names = self._param_names()
+            params = {k: v for k, v in base.items() if k in names}
+            sha = expected_sha256(params, _dtype(self.args.diffusion_forward_dtype))
+            wrapped = lora_wrapped_names(params)
+            self._base_sha = {wrapped[name]: digest for name, digest in sha.items()}
+        return self._base_sha
+
+    def _param_names(self) -> frozenset[str]:
+        if self._params is None:
+            from miles.models.checkpoints import ensure_checkpoint
+            from miles.rollout.engines.sglang.sync import transformer_param_names
+
+            self._params = transformer_param_names(ensure_checkpoint(self.args.hf_checkpoint))
+        return self._params
+
+    def _checksums(self) -> list[str]:
+        import ray
+
+        return ray.get([engine.weights_checksum.remote() for engine in self.engines])
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _has_gpus() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return torch.cuda.is_available()
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The message of the innermost error a Ray task raised."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return _root_cause(cause)
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

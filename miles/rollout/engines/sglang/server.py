@@ -1,0 +1,234 @@
+"""Launch and watch one sglang-diffusion server process (torch-free).
+
+The server runs from its own Python environment: sglang pins torch/transformers/diffusers versions
+that differ from the trainer's. The interpreter comes from `--sglang-python`, else
+`$MILES_SGLANG_PYTHON`, else the environment `scripts/build_sglang_env.sh` builds
+(`~/.cache/miles/sglang-env`).
+
+What miles sets on every server (a `--sglang-KEY VALUE` passthrough overrides the rest):
+  * `--model-path`, `--host` (`--rollout-engine-host`, 127.0.0.1 by default), `--port`, and free
+    `--scheduler-port` / `--master-port` so several servers share a machine;
+  * `--model-id` for the families whose native sglang pipeline is chosen by name (SD3: a local
+    checkpoint directory carries no hint, and without it sglang falls back to a diffusers pipeline
+    that cannot return trajectories);
+  * precisions: `--dit-precision` from `--diffusion-forward-dtype`, the text encoders likewise, the VAE fp32;
+  * `--vae-tiling false`: sglang's SD3 config tiles the VAE decode by default with tiles sized from the
+    VAE config's `sample_size` (diffusers' default 32), while diffusers' pipeline never tiles. A latent
+    larger than the tile then decodes to a different image (measured on tiny-sd3 with sample_size 32:
+    max |diff| 0.43, correlation 0.93), so rewards would score another image than the latent holds;
+  * `--warmup-resolutions WxH` at the job's resolution, `--num-gpus` = `--rollout-num-gpus-per-engine`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ENV = Path.home() / ".cache" / "miles" / "sglang-env"
+PYTHON_ENV_VAR = "MILES_SGLANG_PYTHON"
+# family -> the model id that selects sglang's native pipeline
+NATIVE_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers"}
+_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+class EngineStartError(RuntimeError):
+    """An sglang server did not come up; the message names it and ends with its log tail."""
+
+
+def resolve_sglang_python(explicit: str | None) -> str | None:
+    """The sglang environment's interpreter, or None when none is installed (or `explicit` is no file)."""
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    for candidate in (os.environ.get(PYTHON_ENV_VAR), str(DEFAULT_ENV / "bin" / "python")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("sglang") is not None:  # `pip install 'miles[sglang]'` on a GPU machine
+        return sys.executable
+    return None
+
+
+def gpus_present() -> bool:
+    """Whether this machine has NVIDIA GPUs to give engines (torch-free)."""
+    import shutil
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    return Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
+
+
+def free_port(pair: bool = False) -> int:
+    """A free TCP port on 127.0.0.1 (with the next one free too when `pair`)."""
+    for _ in range(200):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if not pair or port >= 65535:
+            if not pair:
+                return port
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair found")
+
+
+@dataclass
+class ServerSpec:
+    """Everything one server process needs."""
+
+    python: str
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    model_id: str | None = None
+    precision: str = "fp32"
+    num_gpus: int = 1
+    warmup: tuple[int, int] | None = None  # (width, height)
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    name: str = "engine 0"
+
+    def command(self, scheduler_port: int, master_port: int) -> list[str]:
+        sglang = Path(self.python).parent / "sglang"
+        head = [str(sglang)] if sglang.is_file() else [self.python, "-m", "sglang.cli.main"]
+        precision = _PRECISION.get(self.precision, "fp32")
+        options: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "scheduler_port": scheduler_port,
+            "master_port": master_port,
+            "num_gpus": self.num_gpus,
+            "dit_precision": precision,
+            "vae_precision": "fp32",
+            "text_encoder_precisions": [precision] * 3,
+            "vae_tiling": "false",
+        }
+        if self.model_id:
+            options["model_id"] = self.model_id
+        if self.warmup:
+            options["warmup_resolutions"] = f"{self.warmup[0]}x{self.warmup[1]}"
+        options.update(self.passthrough)
+        argv = [*head, "serve", "--model-path", self.model_path]
+        for key, value in options.items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                argv += [flag, "true" if value else "false"]
+            elif isinstance(value, (list, tuple)):
+                argv += [flag, *(str(v) for v in value)]
+            elif value is not None:
+                argv += [flag, str(value)]
+        return argv
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the process that launched it dies (Linux), so a
+    killed engine actor never leaves an orphaned server holding memory and ports."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class SglangServer:
+    """One server process (its own session, so stop() also ends the scheduler it spawns)."""
+
+    def __init__(self, spec: ServerSpec, log_dir: str | Path) -> None:
+        self.spec = spec
+        self.log_path = Path(log_dir) / f"sglang_{spec.name.replace(' ', '_')}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        if self.spec.port == 0:
+            self.spec.port = free_port(pair=True)  # the server also listens on port + 1
+        argv = self.spec.command(scheduler_port=free_port(), master_port=free_port())
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.spec.env}
+        env.pop("PYTHONPATH", None)  # the trainer's packages must not shadow the sglang environment's
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n$ {shlex.join(argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.started_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.spec.url + "/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout: float) -> float:
+        """Block until `/health` answers 200 (503 until the warm-up is done); seconds it took."""
+        deadline = self.started_at + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise EngineStartError(
+                    f"sglang {self.spec.name} exited with code {self.proc.returncode if self.proc else None} "
+                    f"while starting (log {self.log_path}):\n{self.log_tail()}"
+                )
+            if self.healthy(timeout=2.0):
+                return time.monotonic() - self.started_at
+            time.sleep(0.5)
+        self.stop()
+        raise EngineStartError(
+            f"sglang {self.spec.name} at {self.spec.url} was not healthy after {timeout:.0f} s "
+            f"(log {self.log_path}):\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        useful = [line for line in text if "warnings.warn" not in line and "UserWarning" not in line]
+        return "\n".join(useful[-lines:])
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
