@@ -125,7 +125,9 @@ def samples_from_outputs(req: GenerateRequest, outputs: list[dict[str, Any]]) ->
         num_steps = latents.shape[0] - 1
         steps = sorted(req.sde_steps[b]) if req.sde_type != "ode" and req.noise_level > 0 else []
         all_log_probs = out.get("rollout_log_probs")
-        log_probs = all_log_probs.float()[steps].clone() if steps and all_log_probs is not None else None
+        if steps and all_log_probs is None:
+            raise ValueError(f"engine returned no rollout_log_probs for SDE steps {steps} (prompt {req.prompt!r})")
+        log_probs = all_log_probs.float()[steps].clone() if steps else None
         trajectory = Trajectory(
             latents=latents,
             timesteps=dit["timesteps"].float()[:num_steps].clone(),

@@ -88,6 +88,8 @@ class SglangRollout:
         self.sync_metrics: dict[str, float] = {}
         self._base_sha: dict[str, str] | None = None
         self._params: frozenset[str] | None = None
+        self._linears: frozenset[str] | None = None
+        self._base_dir: Path | None = None
         self.router = MilesRouter(
             RouterConfig(
                 concurrency=int(args.sglang_server_concurrency),
@@ -244,22 +246,25 @@ class SglangRollout:
     # ---- weights ------------------------------------------------------------------------------
     def update_weights(self, state: dict[str, Any], version: int) -> int:
         from miles.models.lora_sync import is_lora_entry
+        from miles.rollout.engines.sglang import sync as wsync
 
         start = time.perf_counter()
         self._raise_failures()
         root = self.root / "weights"
+        dtype = _dtype(self.args.diffusion_forward_dtype)
         if state and all(is_lora_entry(name) for name in state):
-            from miles.rollout.engines.sglang.sync import write_lora_adapter
-
-            path, alpha = write_lora_adapter(state, root, version)
-            sync: tuple[str, Any] = ("lora", (str(path), f"miles-v{version}", alpha))
+            path, alpha = wsync.write_lora_adapter(state, root, version)
+            expected = wsync.lora_expected_sha256(
+                self._base_files(), self._lora_base_sha(), path, alpha, self._linear_names(), dtype
+            )
+            sync: tuple[str, Any] = ("lora", (str(path), f"miles-v{version}", alpha, expected))
         else:
-            from miles.rollout.engines.sglang.sync import expected_sha256, write_transformer
-
-            dtype = _dtype(self.args.diffusion_forward_dtype)
-            path = write_transformer(state, root, version, dtype)
+            path = wsync.write_transformer(state, root, version, dtype)
             params = self._param_names()
-            sync = ("disk", (str(path), expected_sha256({k: v for k, v in state.items() if k in params}, dtype)))
+            expected = wsync.expected_sha256({k: v for k, v in state.items() if k in params}, dtype)
+            sync = ("disk", (str(path), expected))
+            # a later LoRA adapter is set on top of these weights
+            self._base_sha, self._base_dir = expected, path / "transformer"
         written = time.perf_counter()
         verified = self._apply_sync(list(range(len(self.engines))), *sync)
         self.last_sync = sync
@@ -274,16 +279,16 @@ class SglangRollout:
         return len(state)
 
     def _apply_sync(self, indices: list[int], kind: str, data: Any) -> int:
-        """Load one sync into the engines `indices` and verify them; returns tensors verified per engine."""
+        """Load one sync into the engines `indices` and verify every parameter of their transformers
+        bit for bit; returns the number of tensors verified per engine."""
         import ray
 
         if kind == "disk":
             path, expected = data
             ray.get([self.engines[i].update_weights_from_disk.remote(path) for i in indices])
         else:
-            path, nickname, alpha = data
+            path, nickname, alpha, expected = data
             ray.get([self.engines[i].set_lora.remote(path, nickname, alpha) for i in indices])
-            expected = self._lora_base_sha()
             for i in indices:
                 active = ray.get(self.engines[i].active_lora.remote())
                 names = [a.get("nickname") for a in active]
@@ -297,32 +302,46 @@ class SglangRollout:
             raise RolloutEngineError(f"weight sync verification failed: {_root_cause(exc)}") from None
         return len(expected)
 
+    def _base_files(self) -> list[Path]:
+        """The safetensors files of the weights a LoRA adapter goes on: the last full sync, else the checkpoint."""
+        if self._base_dir is None:
+            from miles.models.checkpoints import ensure_checkpoint
+
+            self._base_dir = Path(ensure_checkpoint(self.args.hf_checkpoint)) / "transformer"
+        return sorted(self._base_dir.glob("*.safetensors"))
+
     def _lora_base_sha(self) -> dict[str, str]:
-        """The frozen base weights every LoRA engine must still hold, under sglang's wrapped names."""
+        """Digests of the base parameters (plain names), read once from `_base_files()`."""
         if self._base_sha is None:
             from safetensors.torch import load_file
 
-            from miles.models.checkpoints import ensure_checkpoint
-            from miles.rollout.engines.sglang.sync import expected_sha256, lora_wrapped_names
+            from miles.rollout.engines.sglang.sync import expected_sha256
 
-            files = sorted((Path(ensure_checkpoint(self.args.hf_checkpoint)) / "transformer").glob("*.safetensors"))
-            base: dict[str, Any] = {}
-            for file in files:
-                base.update(load_file(str(file)))
             names = self._param_names()
-            params = {k: v for k, v in base.items() if k in names}
-            sha = expected_sha256(params, _dtype(self.args.diffusion_forward_dtype))
-            wrapped = lora_wrapped_names(params)
-            self._base_sha = {wrapped[name]: digest for name, digest in sha.items()}
+            dtype = _dtype(self.args.diffusion_forward_dtype)
+            digests: dict[str, str] = {}
+            for file in self._base_files():
+                tensors = load_file(str(file))
+                digests.update(expected_sha256({k: v for k, v in tensors.items() if k in names}, dtype))
+            self._base_sha = digests
         return self._base_sha
 
     def _param_names(self) -> frozenset[str]:
+        self._load_param_layout()
+        assert self._params is not None
+        return self._params
+
+    def _linear_names(self) -> frozenset[str]:
+        self._load_param_layout()
+        assert self._linears is not None
+        return self._linears
+
+    def _load_param_layout(self) -> None:
         if self._params is None:
             from miles.models.checkpoints import ensure_checkpoint
-            from miles.rollout.engines.sglang.sync import transformer_param_names
+            from miles.rollout.engines.sglang.sync import transformer_layout
 
-            self._params = transformer_param_names(ensure_checkpoint(self.args.hf_checkpoint))
-        return self._params
+            self._params, self._linears = transformer_layout(ensure_checkpoint(self.args.hf_checkpoint))
 
     def _checksums(self) -> list[str]:
         import ray

@@ -2,15 +2,19 @@
 
 Full weights go through `/update_weights_from_disk`: the state dict is written (atomically) as
 `<root>/v<version>/transformer/diffusion_pytorch_model.safetensors`, the layout that endpoint reads.
-LoRA goes through `/v1/set_lora` as a diffusers-format adapter file
-(`transformer.<module>.lora_A.weight` / `.lora_B.weight`, the layout `save_lora_weights` writes), with
-peft's scaling given as `lora_alpha` (scaling * rank).
+LoRA goes through `/v1/set_lora` as a diffusers-format (peft key style) adapter file, with peft's
+scaling given as `lora_alpha` (scaling * rank).
 
 Verification is per tensor, through the server's `/update_weights_from_tensor_checker`: SHA-256 over
 dtype, shape and bytes of every tensor, which the engine recomputes on its live weights. After a full
-update every tensor must equal what the trainer sent. With LoRA set, sglang wraps every linear layer
-(`<module>.base_layer.weight`) and keeps the adapter apart from the base weights, so the check covers the
-frozen base weights under their wrapped names, and the active adapter is read back from `/v1/list_loras`.
+update every tensor must equal what the trainer sent. With LoRA set, sglang wraps every linear module
+(`<module>.base_layer.weight`) and, in merge mode, leaves `base + alpha/rank * B @ A` there (fp32 math),
+so the check covers every parameter, the adapted ones with the merge recomputed here, bit for bit;
+the active adapter is read back from `/v1/list_loras` too.
+
+sglang's SD3 port matches adapter keys without the `transformer.` prefix that diffusers'
+`save_lora_weights` writes (with it, set_lora answers 200 and applies the adapter to 0 layers), so the
+keys are `<module>.lora_A.weight` / `<module>.lora_B.weight`.
 """
 
 from __future__ import annotations
@@ -44,14 +48,54 @@ def expected_sha256(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
     return {name: tensor_sha256(t.to(dtype)) for name, t in state.items()}
 
 
-def lora_wrapped_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """name -> the name sglang gives it once LoRA layers wrap the linears (2-D weights and their biases)."""
-    linear = {name[: -len(".weight")] for name, t in state.items() if name.endswith(".weight") and t.dim() == 2}
+def lora_wrapped_names(names: Any, linears: Any) -> dict[str, str]:
+    """name -> the name sglang gives it once LoRA layers wrap the linear modules `linears`
+    (`<module>.weight` -> `<module>.base_layer.weight`, biases likewise)."""
     out = {}
-    for name in state:
+    for name in names:
         prefix, _, leaf = name.rpartition(".")
-        out[name] = f"{prefix}.base_layer.{leaf}" if prefix in linear else name
+        out[name] = f"{prefix}.base_layer.{leaf}" if prefix in linears else name
     return out
+
+
+def merged_lora_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """What sglang's merge leaves in a wrapped linear: `base + scale * (B @ A)`, in fp32, in base's dtype."""
+    data = base.float().clone()
+    data.add_(b.float() @ a.float(), alpha=scale)
+    return data.to(base.dtype)
+
+
+def lora_expected_sha256(
+    base_files: list[Path],
+    base_sha: dict[str, str],
+    adapter: Path,
+    alpha: int,
+    linears: Any,
+    dtype: torch.dtype,
+) -> dict[str, str]:
+    """Every transformer parameter after `/v1/set_lora` of `adapter` (merge mode) on the weights in
+    `base_files` (digests `base_sha`), under sglang's wrapped names: the adapted linears hold the merge,
+    everything else the base."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    lora = load_file(str(adapter))
+    modules = sorted(k[: -len(".lora_A.weight")] for k in lora if k.endswith(".lora_A.weight"))
+    wanted = {f"{m}.weight": m for m in modules}
+    merged: dict[str, str] = {}
+    for file in base_files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in wanted.keys() & set(handle.keys()):
+                m = wanted[name]
+                a, b = lora[f"{m}.lora_A.weight"], lora[f"{m}.lora_B.weight"]
+                base = handle.get_tensor(name).to(dtype)
+                merged[name] = tensor_sha256(merged_lora_weight(base, a, b, alpha / a.shape[0]))
+    missing = sorted(set(wanted) - set(merged))
+    if missing:
+        raise ValueError(f"LoRA adapter {adapter} adapts modules the transformer does not have: {missing[:5]}")
+    digests = {**base_sha, **merged}
+    wrapped = lora_wrapped_names(digests, linears)
+    return {wrapped[name]: digest for name, digest in digests.items()}
 
 
 def write_transformer(state: dict[str, torch.Tensor], root: Path, version: int, dtype: torch.dtype) -> Path:
@@ -73,9 +117,9 @@ def write_transformer(state: dict[str, torch.Tensor], root: Path, version: int, 
 def write_lora_adapter(payload: dict[str, torch.Tensor], root: Path, version: int) -> tuple[Path, int]:
     """Write `miles.models.lora_sync`'s payload as a diffusers-format adapter; (path, lora_alpha).
 
-    sglang scales an adapter by lora_alpha / rank, one alpha per adapter, given as an integer. When
-    peft's scaling is not one integer alpha for every module, the scaling is folded into lora_B and
-    alpha = rank."""
+    sglang scales each module by lora_alpha / its rank, one alpha per adapter, given as an integer. When
+    peft's scalings do not come from one integer alpha, alpha = the largest rank and the rest of each
+    module's scaling is folded into its lora_B."""
     from safetensors.torch import save_file
 
     modules = sorted(name[: -len(".lora_A")] for name in payload if name.endswith(".lora_A"))
@@ -83,16 +127,16 @@ def write_lora_adapter(payload: dict[str, torch.Tensor], root: Path, version: in
         raise ValueError("the LoRA payload holds no lora_A tensors")
     ranks = {int(payload[f"{m}.lora_A"].shape[0]) for m in modules}
     alphas = {float(payload[f"{m}.lora_scaling"]) * int(payload[f"{m}.lora_A"].shape[0]) for m in modules}
-    fold = len(alphas) != 1 or len(ranks) != 1 or not float(next(iter(alphas))).is_integer()
+    fold = len(alphas) != 1 or not float(next(iter(alphas))).is_integer()
+    alpha = max(ranks) if fold else int(next(iter(alphas)))
     tensors: dict[str, Any] = {}
     for m in modules:
         a = payload[f"{m}.lora_A"].detach().float().cpu().contiguous()
         b = payload[f"{m}.lora_B"].detach().float().cpu()
-        if fold:
-            b = b * float(payload[f"{m}.lora_scaling"])
-        tensors[f"transformer.{m}.lora_A.weight"] = a
-        tensors[f"transformer.{m}.lora_B.weight"] = b.contiguous()
-    alpha = next(iter(ranks)) if fold else int(next(iter(alphas)))
+        if fold:  # sglang scales module m by alpha / rank_m: put the rest of peft's scaling into B
+            b = b * (float(payload[f"{m}.lora_scaling"]) * a.shape[0] / alpha)
+        tensors[f"{m}.lora_A.weight"] = a
+        tensors[f"{m}.lora_B.weight"] = b.contiguous()
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"lora_v{version}.safetensors"
     tmp = root / f".lora_v{version}.safetensors.tmp"
@@ -116,10 +160,10 @@ def _prune(root: Path, prefix: str, version: int, suffix: str = "") -> None:
                 entry.unlink(missing_ok=True)
 
 
-def transformer_param_names(checkpoint: str | Path) -> frozenset[str]:
-    """Parameter names of the checkpoint's transformer (built on the meta device: no weights read).
-
-    The checker compares parameters only; a state dict also holds buffers (SD3's `pos_embed.pos_embed`)."""
+def transformer_layout(checkpoint: str | Path) -> tuple[frozenset[str], frozenset[str]]:
+    """(parameter names, names of its nn.Linear modules) of the checkpoint's transformer, built on the
+    meta device (no weights read). The checker compares parameters only (a state dict also holds
+    buffers, e.g. SD3's `pos_embed.pos_embed`), and sglang's LoRA wraps exactly the linear modules."""
     import json
 
     import diffusers
@@ -130,4 +174,6 @@ def transformer_param_names(checkpoint: str | Path) -> frozenset[str]:
     cls = getattr(diffusers, config["_class_name"])
     with torch.device("meta"):
         model = cls.from_config(config)
-    return frozenset(name for name, _ in model.named_parameters())
+    params = frozenset(name for name, _ in model.named_parameters())
+    linears = frozenset(name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear))
+    return params, linears
