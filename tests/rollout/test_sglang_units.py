@@ -669,7 +669,8 @@ def test_server_command_passthrough_overrides_the_defaults() -> None:
         },
     )
     argv = spec.command(scheduler_port=7, master_port=8)
-    assert flag_values(argv, "--vae-tiling") == ["true"]
+    assert flag_values(argv, "--vae-tiling") == []  # True: the bare flag (store_true flags take no value)
+    assert "--vae-tiling" in argv
     assert flag_values(argv, "--warmup-resolutions") == ["64x64", "128x128"]
     assert flag_values(argv, "--attention-backend") == ["fa3"]
     assert flag_values(argv, "--enable-torch-compile") == ["false"]
@@ -863,3 +864,10 @@ def test_lora_adapter_with_mixed_ranks_keeps_each_modules_scaling(tmp_path: Path
     assert torch.equal(merged_lora_weight(base["a.to_q.weight"], a, b, alpha / 2), merged)
     assert expected["a.to_q.base_layer.weight"] == tensor_sha256(merged)
     assert expected["a.to_q.base_layer.weight"] != tensor_sha256(base["a.to_q.weight"])
+
+
+def test_server_command_sleeps_on_idle_only_when_asked() -> None:
+    cpu = ServerSpec(python="/nowhere/python", model_path="/m", port=5, sleep_on_idle=True)
+    gpu = ServerSpec(python="/nowhere/python", model_path="/m", port=5)
+    assert flag_values(cpu.command(scheduler_port=7, master_port=8), "--sleep-on-idle") == []
+    assert "--sleep-on-idle" not in gpu.command(scheduler_port=7, master_port=8)

@@ -29,6 +29,7 @@ class SglangEngine:
         self.args = args
         self.index = index
         self.name = f"engine {index}"
+        env = _engine_env(args)
         self.spec = ServerSpec(
             python=python,
             model_path=model_path,
@@ -38,7 +39,8 @@ class SglangEngine:
             num_gpus=int(args.rollout_num_gpus_per_engine),
             warmup=(int(args.diffusion_width), int(args.diffusion_height)),
             passthrough=dict(args.sglang_args or {}),
-            env=_engine_env(args),
+            env=env,
+            sleep_on_idle="CUDA_VISIBLE_DEVICES" not in env,
             name=self.name,
         )
         self.server = SglangServer(self.spec, log_dir)
