@@ -260,6 +260,11 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--dmd2-backward-simulation": (BOOL, True),
     "--use-tensorboard": (BOOL, False),
     "--tensorboard-dir": (PATH, None),
+    "--rollout-backend": (ENUM, "auto"),
+    "--rollout-num-engines": (INT, None),
+    "--sglang-python": (PATH, None),
+    "--rollout-engine-host": (STR, "127.0.0.1"),
+    "--sglang-start-timeout": (FLOAT, 600.0),
 }
 
 EXPECTED_GROUPS = (
