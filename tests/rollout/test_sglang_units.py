@@ -871,3 +871,23 @@ def test_server_command_sleeps_on_idle_only_when_asked() -> None:
     gpu = ServerSpec(python="/nowhere/python", model_path="/m", port=5)
     assert flag_values(cpu.command(scheduler_port=7, master_port=8), "--sleep-on-idle") == []
     assert "--sleep-on-idle" not in gpu.command(scheduler_port=7, master_port=8)
+
+
+def test_log_tail_keeps_the_last_start_and_its_errors_first(tmp_path: Path) -> None:
+    from miles.rollout.engines.sglang.server import SglangServer
+
+    server = SglangServer(ServerSpec(python="/nowhere/python", model_path="/m", name="engine 3"), tmp_path)
+    lines = ["$ first start", "ERROR: old failure", "$ second start"]
+    lines += [f"line {i}" for i in range(30)]
+    lines += ["ERROR:    [Errno 98] error while attempting to bind on address: address already in use"]
+    lines += ["warnings.warn(noise)", "kill_process_tree called"]
+    server.log_path.write_text("\n".join(lines) + "\n")
+    tail = server.log_tail(lines=5).splitlines()
+    assert tail[0].endswith("address already in use")
+    assert "old failure" not in "\n".join(tail) and "warnings.warn" not in "\n".join(tail)
+    assert tail[-1] == "kill_process_tree called" and len(tail) == 6
+    from miles.rollout.engines.sglang.rollout import _start_failure
+
+    exc = RuntimeError("sglang engine 3 exited with code 1 while starting (log x):\n" + "\n".join(tail))
+    assert _start_failure(exc).endswith("address already in use")
+    assert _start_failure(exc).startswith("sglang engine 3 exited with code 1")

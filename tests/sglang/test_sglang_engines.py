@@ -45,10 +45,12 @@ def manager(tiny_sd3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     cli = {**CLI, "hf_checkpoint": str(tiny_sd3_dir), "output_dir": str(out)}
     args = resolve("rl", recipe="tiny-digits-grpo", cli=cli).args
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2)
-    mgr = RolloutManager(args, use_ray_engines=True)
-    yield mgr
-    mgr.shutdown()
-    ray.shutdown()
+    try:
+        mgr = RolloutManager(args, use_ray_engines=True)
+        yield mgr
+        mgr.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def _recompute_log_probs(transformer: Any, sample: Any) -> torch.Tensor:

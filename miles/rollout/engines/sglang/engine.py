@@ -47,9 +47,21 @@ class SglangEngine:
         self.restarts = 0
         self.start_seconds = self._launch()
 
-    def _launch(self) -> float:
-        self.server.start()
-        return self.server.wait_ready(timeout=float(self.args.sglang_start_timeout))
+    def _launch(self, attempts: int = 3) -> float:
+        """Start the server; a port another process took between choosing and binding it (several
+        engines pick free ports at once) means a retry on fresh ports."""
+        from miles.rollout.engines.sglang.server import EngineStartError
+
+        for attempt in range(attempts):
+            self.server.start()
+            try:
+                return self.server.wait_ready(timeout=float(self.args.sglang_start_timeout))
+            except EngineStartError as exc:
+                if "address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                self.server.stop(grace=2.0)
+                self.spec.port = 0
+        raise AssertionError("unreachable")
 
     # ---- identity and health --------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class SglangRollout:
                 self.infos.append(ray.get(engine.info.remote()))
             except Exception as exc:
                 self.shutdown()
-                raise RolloutEngineError(f"sglang engine {i} failed to start: {_root_cause(exc)}") from None
+                raise RolloutEngineError(f"sglang engine {i} failed to start: {_start_failure(exc)}") from None
         for i, info in enumerate(self.infos):
             print(
                 f"miles: sglang engine {i} at {info['url']} (pid {info['pid']}) ready in "
@@ -361,6 +361,18 @@ def _has_gpus() -> bool:
     except ImportError:  # pragma: no cover
         return False
     return torch.cuda.is_available()
+
+
+def _start_failure(exc: BaseException) -> str:
+    """A start failure in one line: what happened and the server's own error, with the log's path."""
+    cause = exc
+    while isinstance(getattr(cause, "cause", None), BaseException):
+        cause = cause.cause  # type: ignore[attr-defined]
+    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(cause).__name__
+    errors = [line for line in lines[1:] if "ERROR" in line or "Error" in line]
+    return lines[0] + (f" {errors[0]}" if errors else "")
 
 
 def _root_cause(exc: BaseException) -> str:

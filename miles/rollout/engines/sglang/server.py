@@ -220,12 +220,16 @@ class SglangServer:
         )
 
     def log_tail(self, lines: int = 15) -> str:
+        """The end of this start's log (warnings dropped), errors first so one-line reports keep them."""
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        starts = [i for i, line in enumerate(text) if line.startswith("$ ")]
+        text = text[starts[-1] :] if starts else text
         useful = [line for line in text if "warnings.warn" not in line and "UserWarning" not in line]
-        return "\n".join(useful[-lines:])
+        errors = [line for line in useful if "ERROR" in line or "Error" in line]
+        return "\n".join([*errors[-3:], *useful[-lines:]])
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
