@@ -148,11 +148,18 @@ class Trainer:
         if loss_type not in micro:
             raise NotImplementedError(f"--loss-type {loss_type} is not trained on rollouts")
         totals: dict[str, list[float]] = {}
+        first_diff = None
         for pairs in self.hooks.train_data(samples, self._expand):
             metrics = self._step(pairs, micro[loss_type])
+            if first_diff is None:
+                first_diff = metrics.get("log_prob_mean_abs_diff")
             for k, v in metrics.items():
                 totals.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in totals.items()}
+        if first_diff is not None:
+            # the engine-trainer difference alone: measured before this rollout's first update, whereas
+            # log_prob_mean_abs_diff averages all optimizer steps and so includes the policy's own drift
+            out["log_prob_abs_diff_first_step"] = first_diff
         out["train_time"] = time.perf_counter() - start
         return out
 

@@ -75,6 +75,7 @@ def test_train_rl_with_lora_syncs_verified_adapters(tiny_sd3_dir: Path, tmp_path
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
     for row in rows:
         assert row["train/log_prob_mean_abs_diff"] <= 1e-4
+        assert row["train/log_prob_abs_diff_first_step"] <= 1e-4
         assert row["sync/verified_tensors"] == 66 and row["sync/engines_agree"] == 1.0
     adapters = sorted(p.name for p in (out / "engines" / "weights").glob("lora_v*.safetensors"))
     assert adapters == ["lora_v2.safetensors", "lora_v3.safetensors"]  # the two newest are kept

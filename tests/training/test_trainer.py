@@ -33,6 +33,7 @@ def test_a_train_step_moves_weights_and_sync_makes_the_engine_equal(tiny_sd3_dir
     start = trainer.engine_weights()
     metrics = trainer.train(0, batch.samples)
     assert metrics["grad_norm"] > 0 and metrics["lr"] == pytest.approx(1e-3)
+    assert metrics["log_prob_abs_diff_first_step"] <= 1e-5  # before the first update: engine == trainer
     weights = trainer.engine_weights()
     assert any(not torch.equal(start[k], weights[k]) for k in start)
     manager.update_weights(weights, 1)
