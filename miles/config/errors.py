@@ -22,19 +22,20 @@ class EngineFailure(RuntimeError):
 
 
 def find_engine_failure(exc: BaseException) -> str | None:
-    """The message of an `EngineFailure` raised anywhere under `exc` (Ray wraps errors raised in actors:
-    a task error keeps the original as `.cause`; an actor whose constructor raised only keeps its text)."""
+    """The message of an `EngineFailure` raised anywhere under `exc`. Ray wraps an error raised in an
+    actor (the wrapper is an instance of the error's class too, with the original as `.cause` and a
+    traceback in its text); an actor whose constructor raised only keeps the text."""
     seen: set[int] = set()
     current: BaseException | None = exc
+    innermost: EngineFailure | None = None
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, EngineFailure):
-            cause = getattr(current, "cause", None)
-            if isinstance(cause, EngineFailure):
-                current = cause
-                continue
-            return str(current).strip().splitlines()[-1] if getattr(current, "cause", None) else str(current)
+            innermost = current
         current = getattr(current, "cause", None) or current.__cause__
+    if innermost is not None:
+        text = str(innermost).strip()
+        return text.splitlines()[-1] if getattr(innermost, "cause", None) is not None else text
     marker = "RolloutEngineError: "
     text = str(exc)
     if marker in text:

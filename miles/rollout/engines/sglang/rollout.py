@@ -52,6 +52,7 @@ class SglangRollout:
         from miles.models.checkpoints import ensure_checkpoint
         from miles.rollout.engines.sglang.engine import engine_actor_class
         from miles.rollout.engines.sglang.server import resolve_sglang_python
+        from miles.rollout.manager import _cluster_has_gpus
         from miles.rollout.router import MilesRouter, RouterConfig
 
         self.args = args
@@ -64,7 +65,7 @@ class SglangRollout:
             )
         self.root = Path(args.output_dir or ".") / "engines"
         model_path = str(ensure_checkpoint(args.hf_checkpoint))
-        gpus = args.rollout_num_gpus_per_engine if _has_gpus() else 0
+        gpus = args.rollout_num_gpus_per_engine if _cluster_has_gpus() else 0
         actor = engine_actor_class().options(num_gpus=gpus, num_cpus=0, max_concurrency=4)
         self.engines = [actor.remote(args, i, python, model_path, str(self.root)) for i in range(num)]
         self.infos: list[dict[str, Any]] = []
@@ -73,7 +74,7 @@ class SglangRollout:
                 self.infos.append(ray.get(engine.info.remote()))
             except Exception as exc:
                 self.shutdown()
-                raise RolloutEngineError(f"sglang engine {i} failed to start: {_start_failure(exc)}") from None
+                raise RolloutEngineError(f"sglang engine {i} failed to start: {_failure_line(exc)}") from None
         for i, info in enumerate(self.infos):
             print(
                 f"miles: sglang engine {i} at {info['url']} (pid {info['pid']}) ready in "
@@ -139,8 +140,8 @@ class SglangRollout:
             self._restart(i, reason)
         except Exception as exc:
             with self.lock:
-                self.failed[who] = f"{reason}; restart failed: {_root_cause(exc)}"
-            print(f"miles: restarting {who} failed: {_root_cause(exc)}", flush=True)
+                self.failed[who] = f"{reason}; restart failed: {_failure_line(exc)}"
+            print(f"miles: restarting {who} failed: {_failure_line(exc)}", flush=True)
         finally:
             with self.lock:
                 self.restarting -= 1
@@ -299,7 +300,7 @@ class SglangRollout:
         try:
             ray.get([self.engines[i].verify_weights.remote(expected) for i in indices])
         except Exception as exc:
-            raise RolloutEngineError(f"weight sync verification failed: {_root_cause(exc)}") from None
+            raise RolloutEngineError(f"weight sync verification failed: {_failure_line(exc)}") from None
         return len(expected)
 
     def _base_files(self) -> list[Path]:
@@ -350,21 +351,14 @@ class SglangRollout:
 
 
 def _dtype(name: str) -> Any:
-    import torch
+    from miles.training.model import DTYPES
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
-def _has_gpus() -> bool:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return False
-    return torch.cuda.is_available()
+    return DTYPES[name]
 
 
-def _start_failure(exc: BaseException) -> str:
-    """A start failure in one line: what happened and the server's own error, with the log's path."""
+def _failure_line(exc: BaseException) -> str:
+    """The innermost error a Ray task raised, in one line: its first line, plus the first error line
+    after it (a start failure's message ends with the server's log tail)."""
     cause = exc
     while isinstance(getattr(cause, "cause", None), BaseException):
         cause = cause.cause  # type: ignore[attr-defined]
@@ -373,12 +367,3 @@ def _start_failure(exc: BaseException) -> str:
         return type(cause).__name__
     errors = [line for line in lines[1:] if "ERROR" in line or "Error" in line]
     return lines[0] + (f" {errors[0]}" if errors else "")
-
-
-def _root_cause(exc: BaseException) -> str:
-    """The message of the innermost error a Ray task raised."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        return _root_cause(cause)
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__

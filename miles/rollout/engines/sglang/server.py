@@ -77,16 +77,12 @@ def free_port(pair: bool = False) -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if not pair or port >= 65535:
-            if not pair:
-                return port
-            continue
-        with socket.socket() as sock:
-            try:
+        if not pair:
+            return port
+        if port < 65535:
+            with socket.socket() as sock, contextlib.suppress(OSError):
                 sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
+                return port
     raise RuntimeError("no free port pair found")
 
 
