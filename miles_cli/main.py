@@ -39,7 +39,7 @@ def _ctx_param() -> inspect.Parameter:
     return inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
 
 
-def _meta_params(inspect_config: bool = False) -> list[inspect.Parameter]:
+def _meta_params(inspect_config: bool = False, plan: bool = False) -> list[inspect.Parameter]:
     params = [
         _kw(
             "recipe",
@@ -70,7 +70,22 @@ def _meta_params(inspect_config: bool = False) -> list[inspect.Parameter]:
             ),
         ),
     ]
-    if inspect_config:
+    if inspect_config or plan:
+        params.append(
+            _kw(
+                "cluster",
+                Optional[str],  # noqa: UP045
+                typer.Option(
+                    None,
+                    "--cluster",
+                    metavar="NxG",
+                    help="Plan for N nodes with G GPUs each. Default: Ray's cluster when $RAY_ADDRESS is set "
+                    "(miles plan only), else the cluster the flags describe.",
+                    rich_help_panel=META_PANEL,
+                ),
+            )
+        )
+    if inspect_config or plan:
         params += [
             _kw(
                 "job",
@@ -85,7 +100,12 @@ def _meta_params(inspect_config: bool = False) -> list[inspect.Parameter]:
             _kw(
                 "output_format",
                 str,
-                typer.Option("table", "--format", help="table, yaml or json.", rich_help_panel=META_PANEL),
+                typer.Option(
+                    "table",
+                    "--format",
+                    help="table or json." if plan else "table, yaml or json.",
+                    rich_help_panel=META_PANEL,
+                ),
             ),
         ]
     return params
@@ -164,10 +184,63 @@ def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
     resolved = _resolve_from_cli(ctx, kwargs.get("job"), kwargs)
     print_warnings(resolved.warnings)
     print_inspect(resolved, fmt, show_all=kwargs.get("show_all", False))
+    if fmt == "table":
+        from miles.placement.cluster import flags_cluster, parse_cluster
+        from miles.placement.plan import make_plan
+        from miles_cli.render import print_plan
+
+        cluster_text = kwargs.get("cluster")
+        cluster = parse_cluster(cluster_text) if cluster_text else flags_cluster(resolved.args)
+        print_plan(make_plan(resolved.args, cluster, resolved.spec))
 
 
 app.command("inspect-config", context_settings=_CONTEXT, rich_help_panel="Config")(
     build_command(_inspect_body, [_ctx_param()], _meta_params(inspect_config=True))
+)
+
+
+def _plan_body(ctx: typer.Context, **kwargs: Any) -> None:
+    """Print where every trainer rank, engine and reward worker of the job would run: one row per GPU."""
+    from miles.placement.plan import make_plan
+    from miles_cli.render import print_plan, print_plan_json, print_warnings
+
+    fmt = kwargs.get("output_format", "table")
+    if fmt not in ("table", "json"):
+        raise ConfigError(f"--format {fmt}: expected table or json")
+    resolved = _resolve_from_cli(ctx, kwargs.get("job"), kwargs)
+    print_warnings(resolved.warnings)
+    plan = make_plan(resolved.args, _plan_cluster(resolved.args, kwargs.get("cluster")), resolved.spec)
+    if fmt == "json":
+        print_plan_json(plan)
+    else:
+        print_plan(plan)
+
+
+def _plan_cluster(args: Any, cluster_text: str | None) -> Any:
+    """--cluster NxG; else Ray's cluster at $RAY_ADDRESS; else the cluster the flags describe."""
+    import os
+
+    from miles.placement.cluster import flags_cluster, parse_cluster
+
+    if cluster_text:
+        return parse_cluster(cluster_text)
+    if os.environ.get("RAY_ADDRESS"):
+        import ray
+
+        from miles.placement.cluster import ray_cluster
+
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, logging_level="ERROR")
+        try:
+            cluster = ray_cluster()
+        finally:
+            ray.shutdown()
+        if any(node.gpus for node in cluster.nodes):
+            return cluster
+    return flags_cluster(args)
+
+
+app.command("plan", context_settings=_CONTEXT, rich_help_panel="Config")(
+    build_command(_plan_body, [_ctx_param()], _meta_params(plan=True))
 )
 
 

@@ -13,6 +13,7 @@ from miles.config.export import arg_order, to_json_dict, to_yaml_text
 if TYPE_CHECKING:
     from miles.config.args import Args
     from miles.config.resolve import ResolvedJob
+    from miles.placement.plan import Plan
 
 _SOURCE_STYLE = {"default": "dim", "recipe": "cyan", "cli": "green", "yaml": "magenta", "derived": "yellow"}
 
@@ -72,6 +73,26 @@ def print_inspect(resolved: ResolvedJob, fmt: str, show_all: bool = False) -> No
         sys.stdout.write(to_yaml_text(resolved.args))
     else:
         print_trainer_tables(resolved, show_all=show_all)
+
+
+def print_plan(plan: Plan) -> None:
+    """The placement plan: one row per GPU (node, gpu, what it holds with shares, the GPU's total)."""
+    from rich.table import Table
+
+    from miles.placement.render import plan_header, plan_rows
+
+    console = _console()
+    console.print(plan_header(plan), soft_wrap=True, highlight=False)
+    table = Table(header_style="bold")
+    for column in ("node", "gpu", "holds (share)", "total"):
+        table.add_column(column)
+    for row in plan_rows(plan):
+        table.add_row(*row)
+    console.print(table)
+
+
+def print_plan_json(plan: Plan) -> None:
+    print(json.dumps(plan.rows(), indent=2))
 
 
 def print_recipes() -> None:

@@ -304,6 +304,7 @@ def test_cli_never_imports_torch_or_ray() -> None:
         "from miles_cli.main import main\n"
         "assert main(['--help']) == 0\n"
         "assert main(['inspect-config', '--recipe', 'sd35-4step']) == 0\n"
+        "assert main(['plan', '--recipe', 'sd35-4step', '--cluster', '2x8']) == 0\n"
         "print('HEAVY=' + ','.join(m for m in ('torch', 'ray') if m in sys.modules))\n"
     )
     result = subprocess.run(

@@ -202,7 +202,7 @@ def test_sglang_with_the_router_turned_off_is_rejected(fake_python: Path) -> Non
 
 
 def test_rollout_num_engines_sets_the_engine_count() -> None:
-    from miles.rollout.manager import num_engines
+    from miles.placement.plan import num_engines
 
     args = job("rl", "tiny-digits-grpo", rollout_num_engines=3).args
     assert args.rollout_num_engines == 3

@@ -39,7 +39,13 @@ FLAGS: list[Flag] = [
         False,
         "Keep parameters, gradients and optimizer state on the CPU; the optimizer step then runs on the CPU.",
     ),
-    _f("fsdp-cpu-backend", STR, "gloo", "Process-group backend used for CPU tensors under --fsdp-cpu-offload."),
+    _f(
+        "fsdp-cpu-backend",
+        STR,
+        "gloo",
+        "Process-group backend for CPU tensors: the cpu: half of the hybrid group under --fsdp-cpu-offload on "
+        "GPUs, and the whole process group of a CPU-only trainer rank.",
+    ),
     _f(
         "dp-replicate-size",
         INT,
@@ -52,11 +58,17 @@ FLAGS: list[Flag] = [
         "ulysses-degree",
         INT,
         0,
-        "Ulysses part of the sequence-parallel degree; 0 = auto (Ulysses fills it). A ring degree > 1 "
-        "needs torch >= 2.11 and a ring-capable attention backend.",
+        "Ulysses part of the sequence-parallel degree; 0 = auto (Ulysses fills it). A ring degree "
+        "(sequence-parallel size / Ulysses degree) > 1 needs ring attention, which miles' trainer refuses.",
         min=0,
     ),
-    _f("fsdp-attention-backend", STR, None, "Attention backend name passed to diffusers' set_attention_backend."),
+    _f(
+        "fsdp-attention-backend",
+        STR,
+        None,
+        "Attention backend of the trained DiT, a diffusers set_attention_backend name (native, _native_math, "
+        "flash, ...); CUDA-only ones are refused on a CPU rank.",
+    ),
     _f(
         "fsdp-flow-shift",
         FLOAT,

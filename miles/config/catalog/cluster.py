@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles.config.catalog._common import flag_maker
+from miles.config.catalog._common import ENGINE_JOBS, LOOP_JOBS, flag_maker
 from miles.config.flags import BOOL, INT, STR, TRISTATE, Flag
 
 GROUP = "Cluster"
@@ -43,24 +43,41 @@ FLAGS: list[Flag] = [
         "colocate",
         BOOL,
         False,
-        "Share GPUs between trainer and rollout; required, since CUDA IPC weight sync only supports colocation.",
+        "Put one engine on every --rollout-num-gpus-per-engine trainer GPUs (shares: trainer 0.7, engine 0.25); "
+        "weight sync then passes tensor handles in place (CUDA IPC on GPUs, shared memory on CPU).",
+        jobs=ENGINE_JOBS,
     ),
-    _f("offload", BOOL, False, "Shorthand for --offload-train plus --offload-rollout."),
+    _f(
+        "offload",
+        BOOL,
+        False,
+        "Shorthand for --offload-train plus --offload-rollout.",
+        jobs=LOOP_JOBS,
+    ),
     _f(
         "offload-train",
         TRISTATE,
         None,
-        "Offload training state while rollout runs; unset means on under --colocate, off otherwise.",
+        "Move the trainers' parameters, gradients and optimizer state off the device while the engines run; "
+        "unset means on under --colocate, off otherwise.",
         meta={"default_text": "auto"},
+        jobs=LOOP_JOBS,
     ),
     _f(
         "offload-rollout",
         TRISTATE,
         None,
-        "Offload the rollout engines while training runs; unset means on under --colocate, off otherwise.",
+        "Release the engines' weights while the trainers run; unset means on under --colocate, off otherwise.",
         meta={"default_text": "auto"},
+        jobs=LOOP_JOBS,
     ),
-    _f("distributed-backend", STR, "nccl", "torch.distributed backend of the training process group."),
+    _f(
+        "distributed-backend",
+        STR,
+        "nccl",
+        "torch.distributed backend of the training process group on GPUs; a CPU-only rank uses "
+        "--fsdp-cpu-backend (an explicit CUDA-only backend there is an error).",
+    ),
     _f(
         "distributed-timeout-minutes",
         INT,

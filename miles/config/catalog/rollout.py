@@ -159,8 +159,9 @@ FLAGS: list[Flag] = [
         "rollout-num-engines",
         INT,
         None,
-        "Rollout engines to run; unset: --rollout-num-gpus / --rollout-num-gpus-per-engine on GPUs, one on a "
-        "CPU machine.",
+        "Rollout engines to run (sets --rollout-num-gpus to this times --rollout-num-gpus-per-engine when unset); "
+        "unset: --rollout-num-gpus / --rollout-num-gpus-per-engine, or one engine. A CPU run places them as a GPU "
+        "run would.",
         min=1,
     ),
     _f(

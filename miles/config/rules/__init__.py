@@ -6,13 +6,15 @@ naming the flags, their values and where they came from. They run in the order l
 
 from __future__ import annotations
 
-from miles.config.rules import algorithm, batch, data, engines, misc, topology
+from miles.config.rules import algorithm, batch, data, engines, misc, topology, training_backend
 
 SHARED_RULES = (
     *topology.RULES,
+    *training_backend.RULES,
     *batch.RULES,
     *algorithm.RULES,
     *data.RULES,
     *misc.RULES,
     *engines.RULES,
+    topology.check_placement,
 )
