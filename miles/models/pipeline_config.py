@@ -112,6 +112,28 @@ class TrainPipelineConfig:
         out = transformer(hidden_states=latents, timestep=t, return_dict=False, **self.prepare_cond_kwargs(cond))
         return out[0]
 
+    # ---- training-side parallelism and attention (import torch only when called) ---------------
+    def enable_sequence_parallel(self, model: Any, group: Any) -> None:
+        """Shard `model`'s token sequence over the ranks of the process group `group` (`--sequence-parallel-size`).
+
+        Contract: every rank of `group` is given the same inputs and returns the whole output; every
+        cross-rank step is autograd-aware with the exact adjoint as its backward, so a rank's parameter
+        gradients are its partial sums and their sum over `group` is the gradient of the sum of the ranks'
+        losses. A family without a sequence-parallel plan refuses.
+        """
+        raise ConfigError(
+            f"--sequence-parallel-size: model family {self.name!r} has no sequence-parallel plan in miles; "
+            "use --sequence-parallel-size 1"
+        )
+
+    def set_attention_backend(self, model: Any, backend: str) -> None:
+        """Run `model`'s attention on diffusers' attention backend `backend` (`--fsdp-attention-backend`).
+
+        The default is diffusers' own `set_attention_backend`, which reaches the processors that dispatch
+        through `dispatch_attention_fn`; a family whose processors call a kernel directly overrides it.
+        """
+        model.set_attention_backend(backend)
+
     # ---- validation --------------------------------------------------------------------------
     def check_trainable(self, selected_by: str, trainable_families: tuple[str, ...] = ()) -> None:
         """Raise ConfigError (naming `selected_by`, e.g. the flag) when this family has no training path yet."""

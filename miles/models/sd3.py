@@ -76,3 +76,16 @@ class SD3TrainPipelineConfig(TrainPipelineConfig):
         z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(z, return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---- training-side parallelism (miles.models.sd3_parallel: diffusers' SD3 processor has neither) ----
+    def enable_sequence_parallel(self, model: Any, group: Any) -> None:
+        """Ulysses over `group`: image tokens split after the patch embedding, gathered after `proj_out`."""
+        from miles.models.sd3_parallel import enable_sequence_parallel
+
+        enable_sequence_parallel(model, group)
+
+    def set_attention_backend(self, model: Any, backend: str) -> None:
+        """miles' joint-attention processor, dispatching to `backend` through `dispatch_attention_fn`."""
+        from miles.models.sd3_parallel import set_attention_backend
+
+        set_attention_backend(model, backend)

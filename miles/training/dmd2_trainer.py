@@ -278,7 +278,7 @@ def critic_iteration(
     args, state = trainer.args, critic_state(trainer)
     external = None
     if with_external:
-        mine = dp_shard(samples, trainer.rank, trainer.world_size, args.train_dp_split_mode)
+        mine = dp_shard(samples, trainer.dp_rank, trainer.dp_size, args.train_dp_split_mode)
         external = score_samples(trainer, mine)
     scored = time.perf_counter()
     _, _, _, x0_all = generator_inputs(samples)

@@ -85,8 +85,21 @@ def apply_lora(model: torch.nn.Module, args: Any, family: TrainPipelineConfig) -
     return model
 
 
-def shard(model: torch.nn.Module, args: Any) -> torch.nn.Module:
-    """FSDP2: shard every transformer block, then the root, with the dtype policy of the flags."""
+def parallelize_attention(model: torch.nn.Module, args: Any, family: TrainPipelineConfig, sp_group: Any) -> None:
+    """`--fsdp-attention-backend` and Ulysses sequence parallelism over `sp_group`, through the family's plan.
+    Called inside the trainer rank: a backend that needs a device the rank lacks is refused here."""
+    from miles.training.parallel import check_attention_backend_device
+
+    if args.fsdp_attention_backend:
+        check_attention_backend_device(args.fsdp_attention_backend, torch.cuda.is_available())
+        family.set_attention_backend(model, args.fsdp_attention_backend)
+    if sp_group is not None:
+        family.enable_sequence_parallel(model, sp_group)
+
+
+def shard(model: torch.nn.Module, args: Any, mesh: Any = None) -> torch.nn.Module:
+    """FSDP2: shard every transformer block, then the root, with the dtype policy of the flags, over `mesh`
+    (None: FSDP2's default 1-D mesh over the world; HSDP passes the 2-D (dp_replicate, dp_shard) mesh)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     forward = DTYPES[args.diffusion_forward_dtype]
@@ -97,13 +110,16 @@ def shard(model: torch.nn.Module, args: Any) -> torch.nn.Module:
         cast_forward_inputs=forward != master,
     )
     kwargs: dict[str, Any] = {"mp_policy": policy}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() == 1:
         # One rank holds the whole model anyway: keep it gathered between forward and backward.
         kwargs["reshard_after_forward"] = False
     if args.fsdp_cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # pinned host memory speeds up host-device copies; there is none to pin on a CPU-only rank
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in getattr(model, "transformer_blocks", []):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

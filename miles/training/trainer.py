@@ -31,25 +31,21 @@ from miles.training.model import (
     full_state_dict,
     load_transformer,
     merged_base_state_dict,
+    parallelize_attention,
     shard,
 )
 from miles.training.pairs import Pair, dp_shard, expand_flow_grpo, flow_grpo_batch, micro_batches, stack_conditions
+from miles.training.parallel import build_layout, process_group_backend, timeout_of
 
 
 def init_distributed(args: Any, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Join the trainer group's process group, on the backend this rank can really use
+    (`miles.training.parallel.process_group_backend`) and with `--distributed-timeout-minutes`."""
     if dist.is_initialized():
         return
+    backend = process_group_backend(args, torch.cuda.is_available())
     os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-    backend = args.distributed_backend if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=_minutes(args.distributed_timeout_minutes)
-    )
-
-
-def _minutes(n: int):
-    from datetime import timedelta
-
-    return timedelta(minutes=n)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout_of(args))
 
 
 class Trainer:
@@ -68,12 +64,16 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.args, self.rank, self.world_size = args, rank, world_size
         init_distributed(args, rank, world_size, master_addr, master_port)
+        # HSDP mesh and sequence-parallel group; the data is split over the dp ranks (an SP group shares it)
+        self.layout = build_layout(args, rank, world_size)
+        self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
         torch.manual_seed(args.seed)
         self.family = family_of(args)
         model = load_transformer(args, self.family)
         if args.use_lora:
             model = apply_lora(model, args, self.family)
-        self.model = shard(model, args)
+        parallelize_attention(model, args, self.family, self.layout.sp_group)
+        self.model = shard(model, args, self.layout.mesh)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, args)
         self.scheduler = build_lr_scheduler(self.optimizer, args, total_steps)
@@ -89,7 +89,7 @@ class Trainer:
 
             self.scaler = ShardedGradScaler()
         self.global_step = 0
-        self.generator = torch.Generator().manual_seed(args.seed + 7919 * rank)
+        self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.dp_rank)  # same noise in an SP group
         self.hooks = TrainHooks(args)
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class Trainer:
         """Gradient accumulation over this rank's share of one window, then one optimizer step."""
         from miles.training.optim import clip_grad_norm
 
-        mine = dp_shard(pairs, self.rank, self.world_size, self.args.train_dp_split_mode)
+        mine = dp_shard(pairs, self.dp_rank, self.dp_size, self.args.train_dp_split_mode)
         batches = micro_batches(mine, self.args)
         n_pairs = max(1, len(mine))
         sums: dict[str, float] = {}
