@@ -7,6 +7,9 @@ Session fixtures (built once, reused by every test directory):
   tiny_sd3_pipeline    StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir) (read-only; copy to mutate)
   digit_classifier     the checkpoint's digit classifier
   digits_split         the deterministic digits train/test split
+  tiny_clip            a tiny random CLIP model + processor saved offline (PickScore's shape)
+Module fixture:
+  local_ray            a fresh local Ray (2 CPUs, 256 MiB object store) for the module's tests; the ray module
 Function fixture:
   miles_home           a fresh, empty $MILES_HOME for one test (built-ins are rebuilt there on use)
 """
@@ -44,6 +47,18 @@ def miles_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A new local Ray for one test module (never a cluster someone started with `ray start`)."""
+    import ray
+
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2
+    )
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_sd3_dir(miles_session_home: Path) -> Path:
     from miles.models.checkpoints import ensure_checkpoint
@@ -74,3 +89,44 @@ def digits_split():
     from miles.data.digits import load_digits_split
 
     return load_digits_split()
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A tiny random CLIPModel and a CLIPProcessor, saved offline (a PickScore stand-in); -> (model_dir,
+    processor_dir)."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    from miles.models.tiny_sd3.tokenizers import CLIP_BOS, CLIP_EOS, build_clip_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_clip")
+    tokenizer = build_clip_tokenizer()
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(root / "processor")
+    eos = tokenizer.convert_tokens_to_ids(CLIP_EOS)
+    config = CLIPConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 77,
+            "bos_token_id": tokenizer.convert_tokens_to_ids(CLIP_BOS),
+            "eos_token_id": eos,
+            "pad_token_id": eos,
+        },
+        vision_config={
+            "image_size": 32,
+            "patch_size": 8,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+        },
+        projection_dim=16,
+    )
+    torch.manual_seed(0)
+    CLIPModel(config).save_pretrained(root / "model")
+    return str(root / "model"), str(root / "processor")

@@ -13,9 +13,10 @@ so repeated syncs never compound. The three tensors of a module may arrive in di
 `--update-weight-buffer-size`; the engine merges a module once it holds all three. A full-weight update
 of `<module>.weight` replaces the weight and drops its base copy (the next LoRA merge starts from it).
 
-On GPUs the flag's name is CUDA IPC between colocated trainer and engines; on CPU the payload travels
-the same way as full weights, through Ray's object store (trainer actor -> driver -> rollout manager ->
-engines), only much smaller.
+The flag requires --colocate, under which every sync passes the engines handles, not copies
+(`miles.training.in_place_sync`): CUDA IPC on GPUs, shared memory on a CPU machine. An engine gets the
+tensors of one bucket per call: the fp64 scalings come first, in their own bucket, and wait in `pending`
+(as copies) until their module's A and B arrive, which then merge straight from the trainer's memory.
 """
 
 from __future__ import annotations
@@ -91,6 +92,13 @@ class LoraMerger:
                 weight.copy_(merge_lora_weight(base, parts["lora_A"], parts["lora_B"], float(parts["lora_scaling"])))
                 merged.append(prefix)
         return merged
+
+    def own_pending(self) -> None:
+        """Copy the parts still waiting for the rest of their module: they may be views of memory a sender
+        passed by handle (`miles.models.weight_ipc`) and frees once the call returns."""
+        for parts in self.pending.values():
+            for part, tensor in parts.items():
+                parts[part] = tensor.clone()
 
     def forget(self, names: Any) -> None:
         """Full weights arrived for `names`: their base copies are stale."""

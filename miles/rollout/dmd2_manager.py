@@ -133,10 +133,12 @@ class Dmd2RolloutManager(RolloutManager):
             if self.use_ray_engines:
                 import ray
 
-                ray.kill(engine)
+                ray.get(engine.drop_guest.remote())
         return metrics, by_name
 
     def _teacher_engine(self, targs: Any) -> tuple[Any, Any]:
+        """The teacher's sampler: in-process, a second engine; on Ray, a guest pipeline inside engine 0's
+        actor, so it runs on that engine's GPU and needs no place of its own in the plan."""
         if not self.use_ray_engines:
             from miles.rollout.engines.diffusers_engine import DiffusersEngine
 
@@ -144,12 +146,8 @@ class Dmd2RolloutManager(RolloutManager):
             return engine, engine.generate
         import ray
 
-        from miles.rollout.engines.diffusers_engine import engine_actor_class
-        from miles.rollout.manager import _cluster_has_gpus
-
-        gpus = targs.rollout_num_gpus_per_engine if _cluster_has_gpus() else 0
-        engine = engine_actor_class().options(num_gpus=gpus, num_cpus=0).remote(targs)
-        return engine, lambda requests: ray.get(engine.generate.remote(requests))
+        engine = self.engines[0]
+        return engine, lambda requests: ray.get(engine.generate_guest.remote(targs, requests))
 
 
 def _keep_bookkeeping(planned: Sample, done: Sample) -> Sample:

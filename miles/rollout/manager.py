@@ -67,8 +67,14 @@ def build_requests(
 
 
 class RolloutManager:
-    def __init__(self, args: Any, engines: list[Any] | None = None, use_ray_engines: bool = False) -> None:
+    """`placement` (a `miles.placement.ray_placement.RayPlacement`) puts the engine and reward actors where the
+    job's plan says; without it (tests, benches) Ray actors get no GPU."""
+
+    def __init__(
+        self, args: Any, engines: list[Any] | None = None, use_ray_engines: bool = False, placement: Any = None
+    ) -> None:
         self.args = args
+        self.placement = placement
         self._data_source: Any = None
         self.strategy = resolve_step_strategy(args)
         self.use_ray_engines = use_ray_engines
@@ -92,14 +98,22 @@ class RolloutManager:
         metadata = [record.metadata for record in getattr(source, "dataset", [])]
         pooled = [t for t in reward_types_in_use(self.args, metadata) if t in POOLED_RM_TYPES]
         if pooled:
-            make_reward_pools(self.args, pooled)
+            make_reward_pools(self.args, pooled, placement=self.placement)
+
+    def engine_options(self, i: int) -> dict[str, Any]:
+        """Ray options of engine i: its slot of the plan, or no GPU without a placement."""
+        if self.placement is None:
+            return {"num_gpus": 0, "num_cpus": 0}
+        return self.placement.options(self.placement.slots("engine")[i])
 
     def _make_engines(self) -> list[Any]:
-        num = num_engines(self.args)
+        from miles.placement.plan import num_engines
+
+        num = len(self.placement.slots("engine")) if self.placement is not None else num_engines(self.args)
         if getattr(self.args, "rollout_backend", "diffusers") == "sglang":
             from miles.rollout.engines.sglang.rollout import SglangRollout
 
-            self.sglang = SglangRollout(self.args, num)
+            self.sglang = SglangRollout(self.args, num, self.placement)
             return self.sglang.engines
         if not self.use_ray_engines:
             from miles.rollout.engines.diffusers_engine import DiffusersEngine
@@ -109,11 +123,47 @@ class RolloutManager:
 
         from miles.rollout.engines.diffusers_engine import engine_actor_class
 
-        gpus = self.args.rollout_num_gpus_per_engine if _cluster_has_gpus() else 0
-        actor = engine_actor_class().options(num_gpus=gpus, num_cpus=0)
-        engines = [actor.remote(self.args) for _ in range(num)]
+        actor = engine_actor_class()
+        engines = [actor.options(**self.engine_options(i)).remote(self.args) for i in range(num)]
         ray.get([e.health.remote() for e in engines])  # surface load errors here, naming the engine
         return engines
+
+    # ---- offload between phases (--offload-rollout) --------------------------------------------
+    def offload_engines(self) -> float:
+        """Every engine releases its weights (sglang: /release_memory_occupation); bytes moved."""
+        return self._engines_call("offload")
+
+    def onload_engines(self) -> float:
+        """Every engine takes its weights back (sglang: /resume_memory_occupation); bytes moved."""
+        return self._engines_call("onload")
+
+    def _engines_call(self, method: str) -> float:
+        if self.sglang is not None:
+            return float(getattr(self.sglang, method)())
+        if self.use_ray_engines:
+            import ray
+
+            results = ray.get([getattr(e, method).remote() for e in self.engines])
+        else:
+            results = [getattr(e, method)() for e in self.engines]
+        return float(sum(r["bytes"] for r in results))
+
+    def placement_info(self) -> dict[str, list[dict[str, Any]]]:
+        """What each engine and GPU reward worker sees of its placement (node, Ray GPU ids,
+        CUDA_VISIBLE_DEVICES, device): {"engine": [...], "reward": [...]}, in slot order."""
+        from miles.rollout.rm_hub.dispatch import get_reward_pools
+
+        if self.sglang is not None:
+            engines = self.sglang.placement_info()
+        elif self.use_ray_engines:
+            import ray
+
+            engines = ray.get([e.placement_info.remote() for e in self.engines])
+        else:
+            engines = [e.placement_info() for e in self.engines]
+        pool = get_reward_pools().get("pickscore")
+        rewards = pool.placement_info() if pool is not None else []
+        return {"engine": engines, "reward": rewards}
 
     # ---- queries ---------------------------------------------------------------------------
     def num_rollout(self) -> int:
@@ -128,6 +178,7 @@ class RolloutManager:
     # ---- phase 4: weight sync -------------------------------------------------------------
     def update_weights(self, state: dict[str, Any], version: int) -> int:
         """Push `state` to every engine in chunks of `--update-weight-buffer-size` bytes; returns tensors sent."""
+        self._in_place_metrics: dict[str, float] = {}
         if self.sglang is not None:
             return self.sglang.update_weights(state, version)
         chunks = chunk_state_dict(state, int(self.args.update_weight_buffer_size))
@@ -144,8 +195,30 @@ class RolloutManager:
         return len(state) if chunks else sent
 
     def sync_metrics(self) -> dict[str, float]:
-        """What the last weight sync measured (sglang engines: tensors verified, engines agreeing)."""
-        return dict(self.sglang.sync_metrics) if self.sglang is not None else {}
+        """What the last weight sync measured (sglang engines: tensors verified, engines agreeing; an
+        in-place sync: tensors and bytes passed by handle)."""
+        if self.sglang is not None:
+            return dict(self.sglang.sync_metrics)
+        return dict(getattr(self, "_in_place_metrics", {}))
+
+    def engine_handles(self) -> list[Any]:
+        """The engine actors, in engine order, for the in-place sync under --colocate (trainer rank
+        i * --rollout-num-gpus-per-engine feeds engine i); empty when the engines run in this process."""
+        if self.sglang is not None:
+            return list(self.sglang.engines)
+        return list(self.engines) if self.use_ray_engines else []
+
+    def in_place_engines(self) -> list[Any]:
+        """The engines a sync passes the weights by handle: under --colocate (trainer and engine share a
+        device) the engine actors, else none (the weights go through Ray's object store)."""
+        return self.engine_handles() if self.args.colocate else []
+
+    def in_place_synced(self, version: int, metrics: dict[str, float]) -> None:
+        """The trainer passed every engine the weights of `version` by handle (`TrainerGroup.sync_in_place`):
+        keep its metrics for `sync_metrics`; sglang engines must also agree with each other."""
+        if self.sglang is not None:
+            self.sglang.in_place_synced(version, metrics)
+        self._in_place_metrics = dict(metrics)
 
     def engine_info(self) -> list[dict[str, Any]]:
         """Per engine: url, pid, log, start seconds, restarts (sglang engines only)."""
@@ -274,23 +347,6 @@ def _merge(planned: Sample, done: Sample) -> Sample:
     """The engine's sample, with the data source's bookkeeping kept."""
     done.index, done.group_index, done.metadata = planned.index, planned.group_index, planned.metadata
     return done
-
-
-def num_engines(args: Any) -> int:
-    if getattr(args, "rollout_num_engines", None):
-        return int(args.rollout_num_engines)
-    total = args.rollout_num_gpus
-    if total is None or not _cluster_has_gpus():
-        return 1  # a CPU machine runs one in-process engine
-    return max(1, total // args.rollout_num_gpus_per_engine)
-
-
-def _cluster_has_gpus() -> bool:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return False
-    return torch.cuda.is_available()
 
 
 def manager_actor_class() -> Any:

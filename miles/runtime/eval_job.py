@@ -30,8 +30,10 @@ def run(resolved: ResolvedJob) -> int:
     import ray
 
     args = resolved.args
-    with ray_job(resolved, args) as (out, manager):
-        metrics, by_name = ray.get(manager.evaluate.remote())
+    with ray_job(resolved, args) as job:
+        out = job.out
+        job.record_placement()
+        metrics, by_name = ray.get(job.manager.evaluate.remote())
     with MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None) as logger:
         logger.log(0, metrics)
     save_eval_grids(args, out, by_name)

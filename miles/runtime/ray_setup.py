@@ -7,7 +7,8 @@ from typing import Any
 
 
 def init_ray(args: Any) -> None:
-    """Join the cluster at RAY_ADDRESS when set; otherwise start a local one sized to this machine."""
+    """Join the cluster at RAY_ADDRESS when set; otherwise start a new local one sized to this machine (never
+    attach silently to a cluster someone started with `ray start`)."""
     import ray
 
     if ray.is_initialized():
@@ -21,4 +22,4 @@ def init_ray(args: Any) -> None:
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address="local", include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 
 from miles.io.loggers import MetricsLogger
 from miles.io.rollout_file import load_rollout, subsample_rollout
-from miles.runtime.output import prepare_inputs, prepare_output_dir
-from miles.runtime.ray_setup import init_ray
+from miles.runtime.session import ray_job
 from miles.runtime.train_rl import train_metrics
 
 if TYPE_CHECKING:
@@ -20,7 +19,6 @@ if TYPE_CHECKING:
 
 
 def run(resolved: ResolvedJob) -> int:
-    import ray
 
     from miles.runtime.trainer_group import TrainerGroup
 
@@ -31,15 +29,12 @@ def run(resolved: ResolvedJob) -> int:
             samples, args.load_debug_rollout_data_subsample, group_size=args.n_samples_per_prompt
         )
     rid = rollout_id if isinstance(rollout_id, int) else 0
-    out = prepare_output_dir(resolved)
-    prepare_inputs(args)
-    init_ray(args)
-    try:
+    with ray_job(resolved, args, manager_class=None) as job:
+        out = job.out
         steps = max(1, -(-len(samples) // int(args.global_batch_size or len(samples))))
-        group = TrainerGroup(args, "actor", steps)
+        group = TrainerGroup(args, "actor", steps, job.placement)
+        job.record_placement([group])
         metrics = train_metrics(group.train(rid, samples))
-    finally:
-        ray.shutdown()
     metrics["replay/num_samples"] = float(len(samples))
     with MetricsLogger(args, out, resolved.spec.name) as logger:
         logger.log(rid, metrics)

@@ -21,7 +21,9 @@ def run(resolved: ResolvedJob) -> int:
     import ray
 
     args = resolved.args
-    with ray_job(resolved, args) as (out, manager):
+    with ray_job(resolved, args) as job:
+        out, manager = job.out, job.manager
+        job.record_placement()
         num_rollout = args.num_rollout or ray.get(manager.num_rollout.remote())
         start = args.start_rollout_id or 0
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)

@@ -1,7 +1,7 @@
 """`miles train dmd2`: distill a many-step teacher into a few-step student (DMD2, algorithms.md A).
 
 Two trainer groups on the same trainer class, each from its own trainer args, colocated on the same
-bundles (each rank takes half of its bundle), run in order every iteration::
+GPUs (the placement plan gives each half of the trainer share), run in order every iteration::
 
     for it in range(start, num_rollout):
         k = stop_step(seed, it)                                   # backward simulation, same on every rank
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from miles.config.errors import ConfigError
 from miles.io.loggers import MetricsLogger
 from miles.runtime.output import export_final
+from miles.runtime.phases import Phases
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
 from miles.runtime.train_rl import has_eval_data, save_due, sync_weights, train_metrics
@@ -79,43 +80,50 @@ def run(resolved: ResolvedJob) -> int:
     args = resolved.trainer_args["actor"]
     critic_args = resolved.trainer_args["critic"]
     check_gan_data(args)
-    with ray_job(resolved, args, with_manager=False) as (out, _):
-        manager = manager_actor_class().options(num_cpus=0).remote(args, None, True)
+    with ray_job(resolved, args, manager_actor_class) as job:
+        out, manager = job.out, job.manager
         num_rollout = int(args.num_rollout or ray.get(manager.num_rollout.remote()))
         ratio = int(args.dmd2_critic_update_ratio)
-        critic = TrainerGroup(critic_args, "critic", num_rollout, share=0.5)
-        actor = TrainerGroup(args, "actor", generator_iterations(num_rollout, ratio), colocate_with=critic, share=0.5)
+        critic = TrainerGroup(critic_args, "critic", num_rollout, job.placement)
+        actor = TrainerGroup(args, "actor", generator_iterations(num_rollout, ratio), job.placement)
+        job.record_placement([critic, actor])
         start = resume(args, manager, critic, actor)
+        phases = Phases(args, manager, [critic, actor])
+        phases.start()
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
         every = max(1, (num_rollout - start) // 20)
         with progress_bar("train dmd2", num_rollout - start) as advance:
             for it in range(start, num_rollout):
-                metrics = run_iteration(args, manager, critic, actor, it)
+                metrics = run_iteration(args, manager, critic, actor, it, phases)
                 if has_eval_data(args) and args.eval_interval and it > 0 and it % args.eval_interval == 0:
                     metrics.update(ray.get(manager.evaluate_student.remote())[0])
                 line = logger.log(it, metrics)
                 advance(line if (it - start) % every == 0 or it == num_rollout - 1 else "")
                 if save_due(args, it, num_rollout):
-                    save(args, manager, critic, actor, it)
+                    with phases.trainers_awake():
+                        save(args, manager, critic, actor, it)
         if has_eval_data(args) and start < num_rollout:
             final = final_eval(args, manager, out)
             logger.log(num_rollout, final)
             for key, value in sorted(final.items()):
                 if key.endswith(("/accuracy", "/fd")):
                     print(f"{key} = {value:.4f}")
-        export_final(args, actor, "student")
+        with phases.trainers_awake():
+            export_final(args, actor, "student")
         logger.close()
     print(f"miles: train dmd2 finished {num_rollout - start} iterations; metrics in {out / 'metrics.jsonl'}")
     return 0
 
 
-def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int) -> dict[str, float]:
-    """One DMD2 iteration: student rollout, critic group (external data, then its step), student step, sync."""
+def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int, phases: Any = None) -> dict[str, float]:
+    """One DMD2 iteration: student rollout, critic group (external data, then its step), student step, sync.
+    `phases` moves trainer and engine memory between the phases under --offload-train / --offload-rollout."""
     import ray
 
     from miles.algorithms.dmd2 import is_generator_step
     from miles.rollout.dmd2_sampler import stop_step
 
+    phases = phases or Phases.disabled()
     t0 = time.perf_counter()
     n = len(args.dmd2_student_timesteps)
     k = stop_step(args.seed, it, n, bool(args.dmd2_backward_simulation))
@@ -123,6 +131,7 @@ def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int) -> 
     metrics = dict(batch.metrics)
     samples = ray.put(batch.samples)
     gen = is_generator_step(it, int(args.dmd2_critic_update_ratio))
+    phases.to_train()
     results = critic.call("train_dmd2_critic", it, samples, gen)
     metrics.update(critic_metrics(results[0][0]))
     if gen:
@@ -130,10 +139,13 @@ def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int) -> 
         for _, part in results:
             external.update(part or {})
         metrics.update(train_metrics(actor.call("train_dmd2", it, samples, ray.put(external))[0]))
-        if not args.debug_skip_optimizer_step:
-            t1 = time.perf_counter()
-            sync_weights(manager, actor, it + 1)  # only the LoRA tensors under --lora-ipc-weight-sync
-            metrics["perf/sync_time"] = time.perf_counter() - t1
+    phases.to_sync()
+    if gen and not args.debug_skip_optimizer_step:
+        t1 = time.perf_counter()
+        sync_weights(manager, actor, it + 1)  # only the LoRA tensors under --lora-ipc-weight-sync
+        metrics["perf/sync_time"] = time.perf_counter() - t1
+    phases.to_rollout()
+    metrics.update(phases.take_metrics())
     metrics["perf/step_time"] = time.perf_counter() - t0
     return metrics
 

@@ -32,29 +32,36 @@ def train_metrics(metrics: dict[str, float]) -> dict[str, float]:
 def run(resolved: ResolvedJob) -> int:
     import ray
 
+    from miles.runtime.phases import Phases
     from miles.runtime.trainer_group import TrainerGroup
 
     args = resolved.trainer_args["actor"]
-    with ray_job(resolved, args) as (out, manager):
+    with ray_job(resolved, args) as job:
+        out, manager = job.out, job.manager
         num_rollout = args.num_rollout or ray.get(manager.num_rollout.remote())
         total_steps = max(1, num_rollout * int(args.num_steps_per_rollout or 1))
-        group = TrainerGroup(args, "actor", total_steps)
+        group = TrainerGroup(args, "actor", total_steps, job.placement)
+        job.record_placement([group])
         start = resume(args, manager, group)
+        phases = Phases(args, manager, [group])
+        phases.start()
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
         with progress_bar("train rl", num_rollout - start) as advance:
             for rollout_id in range(start, num_rollout):
                 metrics: dict[str, float] = {}
                 if eval_due(args, rollout_id, start):
                     metrics.update(run_eval(args, manager, out, rollout_id))
-                step_metrics, batch = run_iteration(args, manager, group, rollout_id)
+                step_metrics, batch = run_iteration(args, manager, group, rollout_id, phases)
                 metrics.update(step_metrics)
                 advance(logger.log(rollout_id, metrics))
                 logger.log_images(rollout_id, *_images(args, batch.samples))
                 if save_due(args, rollout_id, num_rollout):
-                    save(args, manager, group, rollout_id)
+                    with phases.trainers_awake():
+                        save(args, manager, group, rollout_id)
         if has_eval_data(args) and args.eval_interval and start < num_rollout:
             logger.log(num_rollout, run_eval(args, manager, out, num_rollout))
-        export_final(args, group)
+        with phases.trainers_awake():
+            export_final(args, group)
         logger.close()
     print(f"miles: train rl finished {num_rollout - start} rollouts; metrics in {out / 'metrics.jsonl'}")
     return 0
@@ -113,11 +120,17 @@ def resume(args: Any, manager: Any, group: Any) -> int:
 
 
 def sync_weights(manager: Any, group: Any, version: int) -> None:
-    """Phase 4: every trainer rank joins the gather; rank 0's weights (only the LoRA tensors under
-    --lora-ipc-weight-sync) go to the engines through Ray's object store."""
+    """Phase 4: every trainer rank joins the gather (only the LoRA tensors under --lora-ipc-weight-sync).
+    Under --colocate each engine gets them by handle from the trainer rank on its device, directly
+    (`TrainerGroup.sync_in_place`: CUDA IPC, shared memory on CPU; `sync/bytes_by_handle`); otherwise rank
+    0's copy goes to the engines through Ray's object store."""
     import ray
 
-    ray.get(manager.update_weights.remote(group.weights_for_sync(), version))
+    engines = ray.get(manager.in_place_engines.remote())
+    if engines:
+        ray.get(manager.in_place_synced.remote(version, group.sync_in_place(engines, version)))
+    else:
+        ray.get(manager.update_weights.remote(group.weights_for_sync(), version))
 
 
 def _images(args: Any, samples: list[Any], limit: int = 64) -> tuple[list[Any], list[str]]:
@@ -125,17 +138,28 @@ def _images(args: Any, samples: list[Any], limit: int = 64) -> tuple[list[Any], 
     return [s.image for s in shown], [f"{s.prompt} | r={s.scalar_reward(args.reward_key):.3f}" for s in shown]
 
 
-def run_iteration(args: Any, manager: Any, group: Any, rollout_id: int) -> tuple[dict[str, float], Any]:
+def run_iteration(
+    args: Any, manager: Any, group: Any, rollout_id: int, phases: Any = None
+) -> tuple[dict[str, float], Any]:
+    """Generate, train, sync; `phases` (`miles.runtime.phases.Phases`) moves trainer and engine memory
+    between the phases under --offload-train / --offload-rollout."""
     import ray
 
+    from miles.runtime.phases import Phases
+
+    phases = phases or Phases.disabled()
     t0 = time.perf_counter()
     batch = ray.get(manager.generate.remote(rollout_id))
     metrics = dict(batch.metrics)
+    phases.to_train()
     metrics.update(train_metrics(group.train(rollout_id, batch.samples)))
+    phases.to_sync()
     if not args.debug_skip_optimizer_step:
         t1 = time.perf_counter()
         sync_weights(manager, group, rollout_id + 1)
         metrics["perf/sync_time"] = time.perf_counter() - t1
         metrics.update(ray.get(manager.sync_metrics.remote()))
+    phases.to_rollout()
+    metrics.update(phases.take_metrics())
     metrics["perf/step_time"] = time.perf_counter() - t0
     return metrics, batch

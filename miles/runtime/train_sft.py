@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from miles.io.loggers import MetricsLogger
-from miles.runtime.output import export_final, prepare_inputs, prepare_output_dir
+from miles.runtime.output import export_final
 from miles.runtime.progress import progress_bar
-from miles.runtime.ray_setup import init_ray
+from miles.runtime.session import ray_job
 from miles.runtime.train_rl import train_metrics
 
 if TYPE_CHECKING:
@@ -46,26 +46,22 @@ class RowSampler:
 
 
 def run(resolved: ResolvedJob) -> int:
-    import ray
-
     from miles.runtime.trainer_group import TrainerGroup
     from miles.training.sft_data import encode_sft_dataset
 
     args = resolved.trainer_args["actor"]
-    out = prepare_output_dir(resolved)
-    prepare_inputs(args)
-    start = time.perf_counter()
-    data = encode_sft_dataset(args)
-    print(f"miles: encoded {len(data)} SFT rows in {time.perf_counter() - start:.1f}s")
-    steps_per_iter = int(args.num_steps_per_rollout or 1)
-    gbs = int(args.global_batch_size)
-    num_iters = int(args.num_rollout or max(1, (args.num_epoch or 1) * len(data) // (gbs * steps_per_iter)))
-    init_ray(args)
-    try:
-        group = TrainerGroup(args, "actor", num_iters * steps_per_iter)
+    with ray_job(resolved, args, manager_class=None) as job:
+        start = time.perf_counter()
+        data = encode_sft_dataset(args)
+        print(f"miles: encoded {len(data)} SFT rows in {time.perf_counter() - start:.1f}s")
+        steps_per_iter = int(args.num_steps_per_rollout or 1)
+        gbs = int(args.global_batch_size)
+        num_iters = int(args.num_rollout or max(1, (args.num_epoch or 1) * len(data) // (gbs * steps_per_iter)))
+        group = TrainerGroup(args, "actor", num_iters * steps_per_iter, job.placement)
+        job.record_placement([group])
         sampler = RowSampler(len(data), args.seed)
         generator = torch.Generator().manual_seed(args.seed)
-        logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
+        logger = MetricsLogger(args, job.out, resolved.spec.name, echo=lambda line: None)
         every = max(1, num_iters // 20)
         with progress_bar("train sft", num_iters) as advance:
             for it in range(num_iters):
@@ -77,6 +73,4 @@ def run(resolved: ResolvedJob) -> int:
                 advance(line if it % every == 0 or it == num_iters - 1 else "")
         logger.close()
         export_final(args, group)
-    finally:
-        ray.shutdown()
     return 0

@@ -1,8 +1,9 @@
-"""A trainer group: `actor_num_nodes x actor_num_gpus_per_node` Trainer ranks as Ray actors.
+"""A trainer group: the ranks of one trainer role (`actor`, or DMD2's `critic`) as Ray actors.
 
-Ranks are placed with a Ray placement group (one bundle per rank: one GPU where the cluster has
-GPUs, else one CPU slot) and form one torch process group (nccl on GPUs, gloo on CPU; on a CPU
-machine a "GPU" of the topology flags is one rank). Rank 0's node hosts the rendezvous.
+Each rank sits in the bundle its slot of the placement plan names (`miles.placement`), with its share of
+that GPU (0.7 next to an engine under --colocate, 0.35 each for DMD2's critic and actor, ...); the ranks
+form one torch process group (rank 0's node hosts the rendezvous). A rank picks its device from what its
+own torch sees (a GPU if CUDA is visible to it, else CPU), never from the driver's view.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import socket
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles.placement.ray_placement import RayPlacement, actor_placement_info
 
 
 def _free_port() -> tuple[str, int]:
@@ -40,6 +41,10 @@ class TrainerActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def placement_info(self) -> dict[str, Any]:
+        """Where this rank runs: Ray node, the GPU ids Ray gave it, CUDA_VISIBLE_DEVICES, the torch device."""
+        return actor_placement_info(str(next(self.trainer.model.parameters()).device))
+
     def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]:
         return self.trainer.train(rollout_id, samples)
 
@@ -55,46 +60,34 @@ class TrainerActor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.trainer, method)(*args, **kwargs)
 
+    def sync_in_place(self, engines: list[Any], version: int) -> dict[str, float]:
+        return self.trainer.sync_in_place(engines, version)
+
 
 class TrainerGroup:
-    """`colocate_with`: place this group's ranks in another group's bundles (rank i next to its rank i),
-    each rank taking `share` of a bundle's CPU/GPU; the first group of a colocated set passes the same share."""
+    """The ranks of `role`, placed by `placement` (made for the job when not given: tests and benches)."""
 
-    def __init__(
-        self,
-        args: Any,
-        role: str,
-        total_steps: int,
-        colocate_with: TrainerGroup | None = None,
-        share: float = 1.0,
-    ) -> None:
-        import torch
-
+    def __init__(self, args: Any, role: str, total_steps: int, placement: RayPlacement | None = None) -> None:
         self.role = role
-        self.world = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
-        gpus = 1 if torch.cuda.is_available() else 0
-        if colocate_with is not None:
-            if colocate_with.world != self.world:
-                raise ValueError(
-                    f"trainer group {role!r} has {self.world} ranks but colocates with "
-                    f"{colocate_with.role!r}, which has {colocate_with.world}"
-                )
-            self.pg = colocate_with.pg
-        else:
-            bundle = {"GPU": gpus, "CPU": 1} if gpus else {"CPU": 1}
-            self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK")
-            ray.get(self.pg.ready())
-        self.owns_pg = colocate_with is None
-        strategy = [
-            PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i) for i in range(self.world)
-        ]
-        addr, port = ray.get(ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=strategy[0]).remote())
+        self.owns_placement = placement is None
+        if placement is None:
+            from miles.placement.ray_placement import place
+
+            placement = place(args)
+        self.placement = placement
+        self.slots = placement.slots(role)
+        self.world = len(self.slots)
+        expected = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
+        if self.world != expected:
+            raise ValueError(f"the placement plan has {self.world} {role} ranks, the args ask for {expected}")
+        first = placement.options(self.slots[0])
+        addr, port = ray.get(
+            ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=first["scheduling_strategy"]).remote()
+        )
         actor_cls = ray.remote(TrainerActor)
         self.actors = [
-            actor_cls.options(num_cpus=share, num_gpus=gpus * share, scheduling_strategy=strategy[i]).remote(
-                args, i, self.world, addr, port, total_steps
-            )
-            for i in range(self.world)
+            actor_cls.options(**placement.options(slot)).remote(args, slot.index, self.world, addr, port, total_steps)
+            for slot in self.slots
         ]
         ray.get([a.ready.remote() for a in self.actors])
 
@@ -119,8 +112,33 @@ class TrainerGroup:
     def call(self, method: str, *args: Any) -> list[Any]:
         return ray.get([a.call.remote(method, *args) for a in self.actors])
 
+    def placement_info(self) -> list[dict[str, Any]]:
+        return ray.get([a.placement_info.remote() for a in self.actors])
+
+    def offload(self, parts: tuple[str, ...] = ("optimizer", "grads", "params")) -> float:
+        """Every rank moves `parts` off its device (`Trainer.offload`); bytes moved by the group."""
+        return sum(r["bytes"] for r in self.call("offload", parts))
+
+    def onload(self) -> float:
+        return sum(r["bytes"] for r in self.call("onload"))
+
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
-        if self.owns_pg:
-            ray.util.remove_placement_group(self.pg)
+        if self.owns_placement:
+            self.placement.shutdown()
+
+    def sync_in_place(self, engines: list[Any], version: int) -> dict[str, float]:
+        """--colocate: every rank joins the gather and rank i * --rollout-num-gpus-per-engine passes engine
+        i (`engines`, in order) the weights by handle; the first feeding rank's metrics (tensors, bytes by
+        handle, bytes of handles sent, seconds) plus `sync/engines`."""
+        results = self._all("sync_in_place", engines, version)
+        fed = [r for r in results if r]
+        if len(fed) != len(engines):
+            raise RuntimeError(
+                f"in-place weight sync fed {len(fed)} of {len(engines)} engines: under --colocate engine i takes "
+                f"the weights from trainer rank i * --rollout-num-gpus-per-engine, and there are {self.world} ranks"
+            )
+        metrics = dict(fed[0]) if fed else {}
+        metrics["sync/engines"] = float(len(fed))
+        return metrics

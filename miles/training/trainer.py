@@ -91,6 +91,8 @@ class Trainer:
         self.global_step = 0
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.dp_rank)  # same noise in an SP group
         self.hooks = TrainHooks(args)
+        self._offloader: Any = None  # --offload-train (miles.utils.offload), made on first use
+        self._in_place_sync: Any = None  # --colocate weight sync (miles.training.in_place_sync)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _trainable_named(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -338,6 +340,17 @@ class Trainer:
         with self._served():
             return lora_sync_payload(self.model)
 
+    def sync_in_place(self, engines: list[Any], version: int) -> dict[str, float]:
+        """--colocate: join the gather of `weights_for_sync()`; a rank that feeds an engine (rank i * g feeds
+        engine i) passes it the weights by handle (`miles.training.in_place_sync`). Returns what this rank
+        pushed (tensors, bytes by handle, seconds), empty for the other ranks."""
+        from miles.training.in_place_sync import InPlaceSync
+
+        state = self.weights_for_sync()
+        if self._in_place_sync is None:
+            self._in_place_sync = InPlaceSync(self.args, self.rank)
+        return self._in_place_sync(state, engines, version)
+
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str | None:
         """Model (trainable weights, or all of them for a full fine-tune), optimizer, LR schedule, EMA,
@@ -409,6 +422,32 @@ class Trainer:
         if self.rank != 0:
             return None
         return str(export_pipeline(self.args, self.family, state, out_dir))
+
+    # ---- offload between phases (--offload-train) -----------------------------------------------
+    def offload(self, parts: Sequence[str] = ("optimizer", "grads", "params")) -> dict[str, float]:
+        """Move `parts` (optimizer state, gradients, parameters with the EMA shadow) off the device until
+        `onload()` (`miles.utils.offload`: the same storages come back bit for bit)."""
+        from miles.utils.offload import Offloader, module_tensors, optimizer_tensors
+
+        if self._offloader is None:
+            local = next(iter(self.model.parameters()))
+            self._offloader = Offloader(getattr(local, "_local_tensor", local).device)
+        tensors: list[torch.Tensor] = []
+        if "optimizer" in parts:
+            tensors += optimizer_tensors(self.optimizer)
+        if "grads" in parts:
+            tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if "params" in parts:
+            tensors += module_tensors([self.model])
+            if self.ema is not None:
+                tensors += list(self.ema.shadow.values())
+        return self._offloader.offload(tensors).as_metrics()
+
+    def onload(self) -> dict[str, float]:
+        """Bring back everything `offload` moved."""
+        if self._offloader is None:
+            return {"bytes": 0.0, "seconds": 0.0}
+        return self._offloader.onload().as_metrics()
 
 
 def _all_reduce_mean(metrics: dict[str, float], world: int) -> dict[str, float]:

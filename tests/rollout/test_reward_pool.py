@@ -18,15 +18,7 @@ from miles.rollout.rm_hub.jpeg import jpeg_compressibility
 from miles.rollout.rm_hub.ocr import ocr_reward
 from miles.rollout.types import Sample
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 
 def text_image(text: str, size: int = 128) -> torch.Tensor:
@@ -73,7 +65,7 @@ def test_ocr_pool_round_trip_dispatch_and_worker_error():
     assert get_reward_pools() == {}
 
 
-def test_pool_cpu_only_placement_and_dead_worker(ray_cluster):
+def test_pool_cpu_only_placement_and_dead_worker(local_ray):
     from miles.config.errors import ConfigError
     from miles.rollout.rm_hub.pool import RewardPool, reward_types_in_use
 
@@ -88,7 +80,7 @@ def test_pool_cpu_only_placement_and_dead_worker(ray_cluster):
         images = [torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(5)]
         samples = [Sample(index=i, group_index=0, prompt="x", image=im) for i, im in enumerate(images)]
         assert pool.score_sync(samples) == jpeg_compressibility(images)
-        ray_cluster.kill(pool.workers[0])
+        local_ray.kill(pool.workers[0])
         start = time.monotonic()
         with pytest.raises(RewardError, match=r"'jpeg_compressibility' worker 0 failed on 3 samples: sample 0"):
             asyncio.run(pool.score(samples))

@@ -78,45 +78,6 @@ def digit_images():
     return images, [int(y) for y in split.test_y[:4]]
 
 
-@pytest.fixture(scope="module")
-def tiny_clip(tmp_path_factory):
-    """A tiny random CLIPModel and a CLIPProcessor, saved offline; -> (model_dir, processor_dir)."""
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
-
-    from miles.models.tiny_sd3.tokenizers import CLIP_BOS, CLIP_EOS, build_clip_tokenizer
-
-    root = tmp_path_factory.mktemp("tiny_clip")
-    tokenizer = build_clip_tokenizer()
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(root / "processor")
-    eos = tokenizer.convert_tokens_to_ids(CLIP_EOS)
-    config = CLIPConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "max_position_embeddings": 77,
-            "bos_token_id": tokenizer.convert_tokens_to_ids(CLIP_BOS),
-            "eos_token_id": eos,
-            "pad_token_id": eos,
-        },
-        vision_config={
-            "image_size": 32,
-            "patch_size": 8,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    CLIPModel(config).save_pretrained(root / "model")
-    return str(root / "model"), str(root / "processor")
-
-
 # ---- JPEG (D.7.4) ------------------------------------------------------------------------------
 def test_jpeg_constant_beats_noise_deterministic_and_relation():
     constant = torch.full((3, 64, 64), 0.3)

@@ -23,6 +23,7 @@ from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.sde import scheduler_schedule, sde_step
 from miles.rollout.seeds import cpu_generator
 from miles.rollout.types import Conditions, Sample, Trajectory
+from miles.utils.offload import own_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,10 +48,15 @@ class DiffusersEngine:
         if self.dtype != torch.float32:
             self.pipe.vae.to(torch.float32)  # decode in fp32: rewards read the image
         self.pipe.to(self.device)
+        # weights in torch's own memory (not the checkpoint's mmap): offload needs it, and the numbers must
+        # not depend on whether an offload round trip has happened
+        own_memory(m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module))
         self.pipe.set_progress_bar_config(disable=True)
         self.max_sequence_length = max_sequence_length(self.checkpoint)
         self.weight_version = 0
         self.lora_merger = LoraMerger()  # base copies for LoRA-only sync (--lora-ipc-weight-sync)
+        self._guest: tuple[str, DiffusersEngine] | None = None
+        self._offloader: Any = None
 
     # ---- weights --------------------------------------------------------------------------------
     @property
@@ -75,11 +81,42 @@ class DiffusersEngine:
         self.weight_version = version if version is not None else self.weight_version + 1
         return len(state_dict)
 
+    def update_weights_from_ipc(self, payload: bytes, version: int | None = None) -> int:
+        """`update_weights` from one bucket passed by handle (`miles.models.weight_ipc`, --colocate): the
+        tensors are views into the trainer's memory, read here and let go before this returns (LoRA parts
+        still waiting for the rest of their module are copied)."""
+        from miles.models.weight_ipc import rebuild
+
+        taken = self.update_weights(rebuild(payload), version)
+        self.lora_merger.own_pending()
+        return taken
+
     def transformer_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.transformer.state_dict().items()}
 
     def health(self) -> bool:
         return True
+
+    def offload(self) -> dict[str, float]:
+        """Release the pipeline's weights (every module's parameters and buffers) while the trainer runs
+        (--offload-rollout); `onload` brings the same bytes back (`miles.utils.offload`)."""
+        from miles.utils.offload import Offloader, module_tensors
+
+        if self._offloader is None:
+            self._offloader = Offloader(self.device)
+        modules = [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
+        return self._offloader.offload(module_tensors(modules)).as_metrics()
+
+    def onload(self) -> dict[str, float]:
+        if self._offloader is None:
+            return {"bytes": 0.0, "seconds": 0.0}
+        return self._offloader.onload().as_metrics()
+
+    def placement_info(self) -> dict[str, Any]:
+        """Where this engine runs (inside a Ray actor): node, Ray GPU ids, CUDA_VISIBLE_DEVICES, its device."""
+        from miles.placement.ray_placement import actor_placement_info
+
+        return actor_placement_info(str(self.device))
 
     # ---- sampling -------------------------------------------------------------------------------
     def _schedule(self, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +134,16 @@ class DiffusersEngine:
         for request in requests:
             out.extend(self._generate_microgroup(request))
         return out
+
+    def generate_guest(self, args: Any, requests: list[GenerateRequest]) -> list[Sample]:
+        """Generate with another checkpoint (`args.hf_checkpoint`, e.g. the DMD2 teacher), loaded once into
+        this engine's process and device: it shares this engine's place in the placement plan."""
+        if self._guest is None or self._guest[0] != args.hf_checkpoint:
+            self._guest = (args.hf_checkpoint, DiffusersEngine(args, device=str(self.device)))
+        return self._guest[1].generate(requests)
+
+    def drop_guest(self) -> None:
+        self._guest = None
 
     def generate_few_step(self, requests: list[GenerateRequest]) -> list[Sample]:
         """The DMD2 student's few-step rollouts (`miles.rollout.dmd2_engine`), all requests as one batch."""

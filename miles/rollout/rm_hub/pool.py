@@ -10,8 +10,9 @@ per sample, plus a one-line name for error messages, never the trajectory. Chunk
 other CPU rewards) split a call evenly over the workers; `pickscore` sends `--pickscore-batch-size`
 images per call. Each call takes the next worker in turn.
 
-Placement: one CPU per worker. `pickscore` workers also ask for `--pickscore-num-gpus-per-worker`
-GPUs (fractions allowed) when the cluster has GPUs, else none (and then score on CPU).
+Placement: one CPU per worker. `pickscore` workers on a GPU cluster sit in the reward slots of the job's
+placement plan (`--pickscore-num-gpus-per-worker` GPUs each, fractions packed; on the rollout GPUs under
+`--colocate-reward`); with no GPU they score on CPU.
 
 Errors never hang: a reward that raises in a worker surfaces as `RewardError` naming the reward type
 and the sample; a dead worker or a call slower than `timeout_s` is a `RewardError` naming the samples.
@@ -59,6 +60,11 @@ class RewardWorker:
     def ready(self) -> bool:
         return True
 
+    def placement_info(self) -> dict[str, Any]:
+        from miles.placement.ray_placement import actor_placement_info
+
+        return actor_placement_info(str(getattr(self.scorer, "device", "cpu")))
+
     def score(
         self, images: list[Any], prompts: list[str], metadata: list[dict[str, Any]], names: list[str]
     ) -> list[float]:
@@ -75,6 +81,28 @@ def _cluster_has_gpus() -> bool:
     import ray
 
     return float(ray.cluster_resources().get("GPU", 0)) > 0
+
+
+def _worker_options(
+    placement: Any, rm_type: str, num_gpus: float, num_cpus: int, num_workers: int
+) -> list[dict[str, Any]]:
+    """Ray options per worker: the plan's reward slots for GPU workers (`placement`), else CPU workers (or,
+    with no placement, GPU workers wherever Ray finds room)."""
+    if placement is None:
+        gpus = num_gpus if _cluster_has_gpus() else 0.0
+        return [{"num_cpus": num_cpus, "num_gpus": gpus}] * num_workers
+    if num_gpus <= 0:
+        return [{"num_cpus": num_cpus, "num_gpus": 0}] * num_workers
+    slots = placement.slots("reward")
+    if not slots:
+        if not placement.gpu_mode:
+            return [{"num_cpus": num_cpus, "num_gpus": 0}] * num_workers
+        raise ConfigError(
+            f"{rm_type} reward workers need GPUs (--pickscore-num-gpus-per-worker {num_gpus:g}) and the placement "
+            "plan gave them none: the prompt data asks for it through metadata.rm_type while --rm-type is not "
+            f"{rm_type}; pass --rm-type {rm_type}, or --pickscore-num-gpus-per-worker 0 to score on CPU"
+        )
+    return [placement.options(slot) for slot in slots]
 
 
 def _to_wire(image: Any) -> Any:
@@ -98,6 +126,7 @@ class RewardPool:
         num_cpus_per_worker: int = 1,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        placement: Any = None,
     ) -> None:
         import ray
 
@@ -112,14 +141,13 @@ class RewardPool:
         if num_gpus_per_worker is None:
             num_gpus_per_worker = float(getattr(args, "pickscore_num_gpus_per_worker", None) or 0.0)
             num_gpus_per_worker = num_gpus_per_worker if rm_type == "pickscore" else 0.0
-        self.num_gpus_per_worker = float(num_gpus_per_worker) if _cluster_has_gpus() else 0.0
+        options = _worker_options(placement, rm_type, num_gpus_per_worker, num_cpus_per_worker, self.num_workers)
+        self.num_workers = len(options)
+        self.num_gpus_per_worker = float(options[0].get("num_gpus", 0.0))
         self.timeout_s = float(timeout_s)
         actor_cls = ray.remote(RewardWorker)
         self.workers = [
-            actor_cls.options(num_cpus=num_cpus_per_worker, num_gpus=self.num_gpus_per_worker).remote(
-                self.settings, rm_type, num_cpus_per_worker
-            )
-            for _ in range(self.num_workers)
+            actor_cls.options(**option).remote(self.settings, rm_type, num_cpus_per_worker) for option in options
         ]
         self._turn = itertools.count()
         try:
@@ -195,6 +223,11 @@ class RewardPool:
             except Exception as exc:
                 raise self._error(exc, worker, names) from exc
         return out
+
+    def placement_info(self) -> list[dict[str, Any]]:
+        import ray
+
+        return ray.get([w.placement_info.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         import ray

@@ -25,11 +25,15 @@ class EngineRequestError(RuntimeError):
 class SglangEngine:
     """Launches the server in __init__ (returns once `/health` is 200)."""
 
-    def __init__(self, args: Any, index: int, python: str, model_path: str, log_dir: str) -> None:
+    def __init__(
+        self, args: Any, index: int, python: str, model_path: str, log_dir: str, gpu_ids: list[int] | None = None
+    ) -> None:
+        from miles.rollout.engines.sglang.server import gpus_present
+
         self.args = args
         self.index = index
         self.name = f"engine {index}"
-        env = _engine_env(args)
+        env = _engine_env(args, gpu_ids)
         self.spec = ServerSpec(
             python=python,
             model_path=model_path,
@@ -40,7 +44,7 @@ class SglangEngine:
             warmup=(int(args.diffusion_width), int(args.diffusion_height)),
             passthrough=dict(args.sglang_args or {}),
             env=env,
-            sleep_on_idle="CUDA_VISIBLE_DEVICES" not in env,
+            sleep_on_idle=not gpus_present(),
             name=self.name,
         )
         self.server = SglangServer(self.spec, log_dir)
@@ -74,6 +78,13 @@ class SglangEngine:
             "restarts": self.restarts,
         }
 
+    def placement_info(self) -> dict[str, Any]:
+        from miles.placement.ray_placement import actor_placement_info
+
+        info = actor_placement_info("server")
+        info["server_cuda_visible_devices"] = self.spec.env.get("CUDA_VISIBLE_DEVICES")
+        return info
+
     def health(self) -> bool:
         return self.server.alive() and self.server.healthy(timeout=float(self.args.rollout_health_check_timeout))
 
@@ -105,10 +116,38 @@ class SglangEngine:
             )
         return data
 
+    # ---- offload between phases (--offload-rollout) ---------------------------------------------
+    def offload(self) -> dict[str, float]:
+        """The server releases its GPU memory (`/release_memory_occupation`: its modules go to pinned CPU
+        memory) until `onload`; sglang reports no byte count."""
+        start = time.perf_counter()
+        self._post("/release_memory_occupation", {})
+        return {"bytes": 0.0, "seconds": time.perf_counter() - start}
+
+    def onload(self) -> dict[str, float]:
+        start = time.perf_counter()
+        self._post("/resume_memory_occupation", {})
+        return {"bytes": 0.0, "seconds": time.perf_counter() - start}
+
     def update_weights_from_disk(self, model_path: str) -> float:
         """Load `<model_path>/transformer/*.safetensors` into the served transformer; seconds it took."""
         start = time.perf_counter()
         self._post("/update_weights_from_disk", {"model_path": model_path, "target_modules": ["transformer"]})
+        return time.perf_counter() - start
+
+    def update_weights_from_ipc(self, payload: str, lora_alpha: int | None = None) -> float:
+        """Load one bucket passed by handle (`miles.models.weight_ipc.serialize_b64`, --colocate) through
+        `/update_weights_from_tensor`; with `lora_alpha` the bucket holds `<module>.lora_A|lora_B` pairs that
+        the server merges into its transformer (`weight_update_mode="lora_merge"`). Seconds it took."""
+        start = time.perf_counter()
+        body: dict[str, Any] = {
+            "serialized_named_tensors": [payload],
+            "load_format": "flattened_bucket",
+            "target_modules": ["transformer"],
+        }
+        if lora_alpha is not None:
+            body.update(weight_update_mode="lora_merge", lora_alpha=int(lora_alpha))
+        self._post("/update_weights_from_tensor", body)
         return time.perf_counter() - start
 
     def set_lora(self, path: str, nickname: str, lora_alpha: int) -> float:
@@ -163,18 +202,23 @@ def _model_id(args: Any) -> str | None:
     return NATIVE_MODEL_IDS.get(family.name)
 
 
-def _engine_env(args: Any) -> dict[str, str]:
-    """Pin the server to the actor's GPUs; on a CPU machine share the cores between the engines."""
-    env: dict[str, str] = {}
-    try:
-        import ray
+def _engine_env(args: Any, gpu_ids: list[int] | None = None) -> dict[str, str]:
+    """Pin the server to the engine's GPUs (the plan's, which for a colocated engine over several GPUs are
+    more than the one Ray accounts it on; else the actor's own); on a machine without GPUs share the cores
+    between the engines."""
+    from miles.rollout.engines.sglang.server import gpus_present
 
-        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
-    except Exception:  # pragma: no cover - outside Ray
-        gpu_ids = []
+    env: dict[str, str] = {}
+    if gpu_ids is None:
+        try:
+            import ray
+
+            gpu_ids = [int(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+        except Exception:  # pragma: no cover - outside Ray
+            gpu_ids = []
     if gpu_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpu_ids)
-    else:
+    if not gpus_present():
         engines = max(1, int(args.rollout_num_engines or 1))
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
     return env

@@ -46,13 +46,12 @@ class _Parser:
 
 
 class SglangRollout:
-    def __init__(self, args: Any, num: int) -> None:
+    def __init__(self, args: Any, num: int, placement: Any = None) -> None:
         import ray
 
         from miles.models.checkpoints import ensure_checkpoint
         from miles.rollout.engines.sglang.engine import engine_actor_class
         from miles.rollout.engines.sglang.server import resolve_sglang_python
-        from miles.rollout.manager import _cluster_has_gpus
         from miles.rollout.router import MilesRouter, RouterConfig
 
         self.args = args
@@ -65,9 +64,19 @@ class SglangRollout:
             )
         self.root = Path(args.output_dir or ".") / "engines"
         model_path = str(ensure_checkpoint(args.hf_checkpoint))
-        gpus = args.rollout_num_gpus_per_engine if _cluster_has_gpus() else 0
-        actor = engine_actor_class().options(num_gpus=gpus, num_cpus=0, max_concurrency=4)
-        self.engines = [actor.remote(args, i, python, model_path, str(self.root)) for i in range(num)]
+        actor = engine_actor_class()
+        self.engines = []
+        for i in range(num):
+            if placement is not None:
+                slot = placement.slots("engine")[i]
+                options, gpu_ids = placement.options(slot), placement.gpu_ids(slot) or None
+            else:
+                options, gpu_ids = {"num_gpus": 0, "num_cpus": 0}, None
+            self.engines.append(
+                actor.options(**options, max_concurrency=4).remote(
+                    args, i, python, model_path, str(self.root), gpu_ids
+                )
+            )
         self.infos: list[dict[str, Any]] = []
         for i, engine in enumerate(self.engines):
             try:
@@ -86,6 +95,7 @@ class SglangRollout:
         self.restarting = 0
         self.restart_log: list[dict[str, Any]] = []
         self.last_sync: tuple[str, Any] | None = None
+        self.awaiting_sync: set[int] = set()  # restarted after an in-place sync: out of the router until the next
         self.sync_metrics: dict[str, float] = {}
         self._base_sha: dict[str, str] | None = None
         self._params: frozenset[str] | None = None
@@ -154,10 +164,16 @@ class SglangRollout:
         info = ray.get(self.engines[i].restart.remote())
         self.infos[i] = info
         restored = "checkpoint weights (no sync yet)"
-        if self.last_sync is not None:
+        if self.last_sync is not None and self.last_sync[0] == "ipc":
+            # the last sync passed handles to memory the trainer has freed: nothing to replay here
+            with self.lock:
+                self.awaiting_sync.add(i)
+            restored = "out of the router until the next (in-place) weight sync gives it the trained weights"
+        elif self.last_sync is not None:
             verified = self._apply_sync([i], *self.last_sync)
             restored = f"weights of the last sync restored and verified ({verified} tensors)"
-        self.router.add_worker(info["url"])
+        if i not in self.awaiting_sync:
+            self.router.add_worker(info["url"])
         seconds = time.perf_counter() - start
         self.restart_log.append(
             {"engine": i, "reason": reason, "old_url": old["url"], "new_url": info["url"], "seconds": seconds}
@@ -176,6 +192,21 @@ class SglangRollout:
             raise RolloutEngineError(
                 f"{who} failed: {reason}. Pass --use-fault-tolerance to restart dead engines and go on."
             )
+
+    def offload(self) -> float:
+        import ray
+
+        return sum(r["bytes"] for r in ray.get([engine.offload.remote() for engine in self.engines]))
+
+    def onload(self) -> float:
+        import ray
+
+        return sum(r["bytes"] for r in ray.get([engine.onload.remote() for engine in self.engines]))
+
+    def placement_info(self) -> list[dict[str, Any]]:
+        import ray
+
+        return ray.get([engine.placement_info.remote() for engine in self.engines])
 
     def shutdown(self) -> None:
         import ray
@@ -278,6 +309,25 @@ class SglangRollout:
             "sync/engine_time": time.perf_counter() - written,
         }
         return len(state)
+
+    def in_place_synced(self, version: int, metrics: dict[str, float]) -> None:
+        """The trainer passed every engine the weights of `version` by handle and verified each one
+        (`miles.training.in_place_sync`, --colocate): the engines must agree, and one restarted since the
+        last sync (it came back with the checkpoint's weights) rejoins the router now."""
+        self._raise_failures()
+        self.last_sync = ("ipc", version)
+        with self.lock:
+            rejoin = sorted(self.awaiting_sync)
+            self.awaiting_sync.clear()
+        for i in rejoin:
+            self.router.add_worker(self.infos[i]["url"])
+            print(f"miles: sglang engine {i} got the weights of sync {version}; back in the router", flush=True)
+        checksums = self._checksums()
+        self.sync_metrics = {
+            **metrics,
+            "sync/engines": float(len(self.engines)),
+            "sync/engines_agree": float(len(set(checksums)) == 1),
+        }
 
     def _apply_sync(self, indices: list[int], kind: str, data: Any) -> int:
         """Load one sync into the engines `indices` and verify every parameter of their transformers

@@ -76,23 +76,38 @@ def lora_expected_sha256(
     """Every transformer parameter after `/v1/set_lora` of `adapter` (merge mode) on the weights in
     `base_files` (digests `base_sha`), under sglang's wrapped names: the adapted linears hold the merge,
     everything else the base."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
     lora = load_file(str(adapter))
     modules = sorted(k[: -len(".lora_A.weight")] for k in lora if k.endswith(".lora_A.weight"))
-    wanted = {f"{m}.weight": m for m in modules}
+    pairs = {m: (lora[f"{m}.lora_A.weight"], lora[f"{m}.lora_B.weight"]) for m in modules}
+    return lora_merged_sha256(base_files, base_sha, pairs, alpha, linears, dtype, source=str(adapter))
+
+
+def lora_merged_sha256(
+    base_files: list[Path],
+    base_sha: dict[str, str],
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    alpha: int,
+    linears: Any,
+    dtype: torch.dtype,
+    source: str = "the LoRA payload",
+) -> dict[str, str]:
+    """`lora_expected_sha256` for adapter pairs `module -> (A, B)` as sglang receives them (a file's, or
+    `/update_weights_from_tensor`'s `lora_merge` payload, which merges the same way)."""
+    from safetensors import safe_open
+
+    wanted = {f"{m}.weight": m for m in pairs}
     merged: dict[str, str] = {}
     for file in base_files:
         with safe_open(str(file), framework="pt") as handle:
             for name in wanted.keys() & set(handle.keys()):
-                m = wanted[name]
-                a, b = lora[f"{m}.lora_A.weight"], lora[f"{m}.lora_B.weight"]
+                a, b = pairs[wanted[name]]
                 base = handle.get_tensor(name).to(dtype)
                 merged[name] = tensor_sha256(merged_lora_weight(base, a, b, alpha / a.shape[0]))
     missing = sorted(set(wanted) - set(merged))
     if missing:
-        raise ValueError(f"LoRA adapter {adapter} adapts modules the transformer does not have: {missing[:5]}")
+        raise ValueError(f"LoRA adapter {source} adapts modules the transformer does not have: {missing[:5]}")
     digests = {**base_sha, **merged}
     wrapped = lora_wrapped_names(digests, linears)
     return {wrapped[name]: digest for name, digest in digests.items()}
@@ -114,14 +129,11 @@ def write_transformer(state: dict[str, torch.Tensor], root: Path, version: int, 
     return final
 
 
-def write_lora_adapter(payload: dict[str, torch.Tensor], root: Path, version: int) -> tuple[Path, int]:
-    """Write `miles.models.lora_sync`'s payload as a diffusers-format adapter; (path, lora_alpha).
-
-    sglang scales each module by lora_alpha / its rank, one alpha per adapter, given as an integer. When
-    peft's scalings do not come from one integer alpha, alpha = the largest rank and the rest of each
-    module's scaling is folded into its lora_B."""
-    from safetensors.torch import save_file
-
+def lora_adapter_pairs(payload: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:
+    """`miles.models.lora_sync`'s payload as sglang takes an adapter: `module -> (A, B)` and one integer
+    `lora_alpha`. sglang scales each module by lora_alpha / its rank; when peft's scalings do not come
+    from one integer alpha, alpha = the largest rank and the rest of each module's scaling is folded into
+    its B (a new tensor; otherwise A and B are the payload's own)."""
     modules = sorted(name[: -len(".lora_A")] for name in payload if name.endswith(".lora_A"))
     if not modules:
         raise ValueError("the LoRA payload holds no lora_A tensors")
@@ -129,14 +141,25 @@ def write_lora_adapter(payload: dict[str, torch.Tensor], root: Path, version: in
     alphas = {float(payload[f"{m}.lora_scaling"]) * int(payload[f"{m}.lora_A"].shape[0]) for m in modules}
     fold = len(alphas) != 1 or not float(next(iter(alphas))).is_integer()
     alpha = max(ranks) if fold else int(next(iter(alphas)))
-    tensors: dict[str, Any] = {}
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for m in modules:
-        a = payload[f"{m}.lora_A"].detach().float().cpu().contiguous()
-        b = payload[f"{m}.lora_B"].detach().float().cpu()
+        a, b = payload[f"{m}.lora_A"], payload[f"{m}.lora_B"]
         if fold:  # sglang scales module m by alpha / rank_m: put the rest of peft's scaling into B
-            b = b * (float(payload[f"{m}.lora_scaling"]) * a.shape[0] / alpha)
-        tensors[f"{m}.lora_A.weight"] = a
-        tensors[f"{m}.lora_B.weight"] = b.contiguous()
+            b = b.float() * (float(payload[f"{m}.lora_scaling"]) * a.shape[0] / alpha)
+        pairs[m] = (a, b)
+    return pairs, alpha
+
+
+def write_lora_adapter(payload: dict[str, torch.Tensor], root: Path, version: int) -> tuple[Path, int]:
+    """Write `miles.models.lora_sync`'s payload as a diffusers-format adapter; (path, lora_alpha)
+    (`lora_adapter_pairs` says how peft's scalings become one alpha)."""
+    from safetensors.torch import save_file
+
+    pairs, alpha = lora_adapter_pairs(payload)
+    tensors: dict[str, Any] = {}
+    for m, (a, b) in pairs.items():
+        tensors[f"{m}.lora_A.weight"] = a.detach().float().cpu().contiguous()
+        tensors[f"{m}.lora_B.weight"] = b.detach().float().cpu().contiguous()
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"lora_v{version}.safetensors"
     tmp = root / f".lora_v{version}.safetensors.tmp"

@@ -1,0 +1,118 @@
+"""Who holds the device between the phases of the loop (`--offload-train`, `--offload-rollout`; both always
+on under `--colocate`, where trainer ranks and engines share GPUs).
+
+    start()        trainers sleep (everything off the device) until their first train
+    generate       engines awake, trainers asleep
+    to_train()     engines release their weights; trainers wake
+    train
+    to_sync()      trainers drop optimizer state and gradients; engines wake
+    sync           trainer parameters and engine weights are on the devices, nothing else
+    to_rollout()   trainers drop their parameters too
+
+What moved is measured by the driver: `perf/offload_time`, `perf/onload_time` (seconds of the phase
+switches in one iteration) and `perf/offload_train_bytes`, `perf/offload_rollout_bytes` (bytes the
+trainers and the engines moved off their devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+OPTIMIZER_AND_GRADS = ("optimizer", "grads")
+EVERYTHING = ("optimizer", "grads", "params")
+
+
+class Phases:
+    def __init__(self, args: Any, manager: Any, groups: Sequence[Any]) -> None:
+        self.train = bool(args.offload_train)
+        self.rollout = bool(args.offload_rollout) and manager is not None
+        self.manager = manager
+        self.groups = list(groups)
+        self.asleep = False  # trainers (partly) off the device
+        self._reset()
+
+    @classmethod
+    def disabled(cls) -> Phases:
+        """Nothing moves (a loop run without offload)."""
+        phases = cls.__new__(cls)
+        phases.train = phases.rollout = phases.asleep = False
+        phases.manager, phases.groups = None, []
+        phases._reset()
+        return phases
+
+    def _reset(self) -> None:
+        self.metrics: dict[str, float] = {}
+        if self.train or self.rollout:
+            self.metrics = {"perf/offload_time": 0.0, "perf/onload_time": 0.0}
+        if self.train:
+            self.metrics["perf/offload_train_bytes"] = 0.0
+        if self.rollout:
+            self.metrics["perf/offload_rollout_bytes"] = 0.0
+
+    def take_metrics(self) -> dict[str, float]:
+        """This iteration's offload metrics (then zeroed for the next one)."""
+        metrics = dict(self.metrics)
+        self._reset()
+        return metrics
+
+    # ---- the switches ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.train:
+            self._trainers_off(EVERYTHING)
+        self._reset()
+
+    def to_train(self) -> None:
+        if self.rollout:
+            self._engines("offload_engines")
+        if self.train:
+            self._trainers_on()
+
+    def to_sync(self) -> None:
+        if self.train:
+            self._trainers_off(OPTIMIZER_AND_GRADS)
+        if self.rollout:
+            self._engines("onload_engines")
+
+    def to_rollout(self) -> None:
+        if self.train:
+            self._trainers_off(("params",))
+
+    @contextlib.contextmanager
+    def trainers_awake(self) -> Iterator[None]:
+        """Everything of the trainers on their devices inside the block (checkpoints, export)."""
+        was_asleep = self.asleep
+        if was_asleep:
+            self._trainers_on()
+        try:
+            yield
+        finally:
+            if was_asleep:
+                self._trainers_off(EVERYTHING)
+
+    # ---- moves ----------------------------------------------------------------------------------
+    def _trainers_off(self, parts: tuple[str, ...]) -> None:
+        start = time.perf_counter()
+        moved = sum(group.offload(parts) for group in self.groups)
+        self.metrics["perf/offload_time"] += time.perf_counter() - start
+        self.metrics["perf/offload_train_bytes"] += moved
+        self.asleep = True
+
+    def _trainers_on(self) -> None:
+        start = time.perf_counter()
+        for group in self.groups:
+            group.onload()
+        self.metrics["perf/onload_time"] += time.perf_counter() - start
+        self.asleep = False
+
+    def _engines(self, method: str) -> None:
+        import ray
+
+        start = time.perf_counter()
+        moved = ray.get(getattr(self.manager, method).remote())
+        key = "perf/offload_time" if method == "offload_engines" else "perf/onload_time"
+        self.metrics[key] += time.perf_counter() - start
+        if method == "offload_engines":
+            self.metrics["perf/offload_rollout_bytes"] += moved
