@@ -4,6 +4,9 @@ Ray places every trainer rank, engine and reward worker exactly as on a GPU clus
 GPU ids, CUDA_VISIBLE_DEVICES) while each actor's torch sees no CUDA and computes on CPU. Each test runs
 the job end to end through the CLI on the tiny model and reads `<output-dir>/placement.json`: what every
 actor itself reported (Ray node, `ray.get_gpu_ids()`, device) against its slot of the plan.
+
+The 2-GPU and 3-GPU topologies run in the default suite; the 8-GPU and 2-node x 4-GPU ones (marked
+`cluster`, minutes each on 2 cores) run with `python -m pytest -m cluster tests/placement`.
 """
 
 from __future__ import annotations
@@ -34,18 +37,24 @@ SMALL = [
 TINY_DATA = ["--prompt-data", "digits:train", "--rm-type", "digit"]
 
 
-@pytest.fixture
-def gpu_cluster(monkeypatch: pytest.MonkeyPatch):
-    """start(nodes, gpus): a Ray cluster of `nodes` nodes declaring `gpus` GPUs each; RAY_ADDRESS points at it."""
+def declared_gpus(nodes: int, gpus: int, cpus: int = 4) -> Any:
+    """A Ray cluster of `nodes` nodes declaring `gpus` GPUs each (this machine has none)."""
     from ray.cluster_utils import Cluster
 
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "num_gpus": gpus})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=cpus, num_gpus=gpus)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+@pytest.fixture
+def gpu_cluster(monkeypatch: pytest.MonkeyPatch):
+    """start(nodes, gpus): a fresh cluster for one test; RAY_ADDRESS points at it."""
     clusters: list[Any] = []
 
     def start(nodes: int, gpus: int, cpus: int = 4) -> Any:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "num_gpus": gpus})
-        for _ in range(nodes - 1):
-            cluster.add_node(num_cpus=cpus, num_gpus=gpus)
-        cluster.wait_for_nodes()
+        cluster = declared_gpus(nodes, gpus, cpus)
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
         clusters.append(cluster)
         return cluster
@@ -90,7 +99,7 @@ def test_colocated_two_gpu_run_equals_the_plain_cpu_run(gpu_cluster, tiny_sd3_di
     common = ["train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir), *SMALL]
     common += ["--global-batch-size", "4", "--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4"]
     common += ["--actor-num-gpus-per-node", "2"]
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:  # the plain run first: its local Ray, then the cluster's
         patch.delenv("RAY_ADDRESS", raising=False)
         assert main([*common, "--num-gpus-per-node", "3", "--output-dir", str(tmp_path / "plain")]) == 0
     gpu_cluster(1, 2)
@@ -128,6 +137,7 @@ def test_sd3_pickscore_nft_on_three_gpus(gpu_cluster, tiny_sd3_dir: Path, tiny_c
     assert [r["rollout_id"] for r in rows if "eval/small/reward_mean" in r] == [0, 2]  # before training, at the end
 
 
+@pytest.mark.cluster  # 24 actor processes: about 3 minutes on 2 cores
 def test_sd35_4step_on_eight_gpus(gpu_cluster, tiny_sd3_dir: Path, tmp_path: Path) -> None:
     gpu_cluster(1, 8, cpus=8)
     out = tmp_path / "dmd2"
@@ -146,6 +156,7 @@ def test_sd35_4step_on_eight_gpus(gpu_cluster, tiny_sd3_dir: Path, tmp_path: Pat
     assert [r["rollout_id"] for r in rows] == [0, 1] and "train/loss" in rows[0]
 
 
+@pytest.mark.cluster  # 12 actor processes over two nodes: about 1.5 minutes on 2 cores
 def test_two_nodes_of_four_gpus(gpu_cluster, tiny_sd3_dir: Path, tmp_path: Path) -> None:
     gpu_cluster(2, 4)
     out = tmp_path / "multinode"
