@@ -287,3 +287,17 @@ def test_log_tail_keeps_the_last_start_and_its_errors_first(tmp_path: Path) -> N
     exc = RuntimeError("sglang engine 3 exited with code 1 while starting (log x):\n" + "\n".join(tail))
     assert _failure_line(exc).endswith("address already in use")
     assert _failure_line(exc).startswith("sglang engine 3 exited with code 1")
+
+
+def test_sglang_without_gpus_keeps_its_weights_under_colocate(
+    fake_python: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, whatever the machine has
+    resolved = job("rl", "tiny-digits-grpo", rollout_backend="sglang", sglang_python=str(fake_python), colocate=True)
+    assert resolved.args.offload_rollout is False and resolved.args.sources()["offload_rollout"] == "derived"
+    assert resolved.args.offload_train is True  # the trainer still sleeps between phases
+    assert any("/release_memory_occupation, which needs CUDA" in w for w in resolved.warnings)
+    message = config_error(
+        "rl", "tiny-digits-grpo", rollout_backend="sglang", sglang_python=str(fake_python), offload_rollout=True
+    )
+    assert message.startswith("--offload-rollout on (cli): sglang releases an engine's GPU memory")

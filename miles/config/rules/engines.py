@@ -31,6 +31,16 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
         if res.explicit("use_miles_router"):
             res.fail(f"{res.show('use_miles_router')}: sglang engines are reached through the miles router")
         res.derive("use_miles_router", True)
+    if res["offload_rollout"] and not gpus_present():
+        why = (
+            "sglang releases an engine's GPU memory through /release_memory_occupation, which needs CUDA (a CPU "
+            "server answers 'Found no NVIDIA driver') and this machine has no GPU"
+        )
+        for dest in ("offload", "offload_rollout"):
+            if res.explicit(dest) and res[dest]:
+                res.fail(f"{res.show(dest)}: {why}")
+        res.derive("offload_rollout", False)
+        res.warn(f"--offload-rollout is off: {why}; the sglang engines keep their (CPU) weights between phases")
 
 
 RULES = (resolve_backend,)
