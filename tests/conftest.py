@@ -8,6 +8,8 @@ Session fixtures (built once, reused by every test directory):
   digit_classifier     the checkpoint's digit classifier
   digits_split         the deterministic digits train/test split
   tiny_clip            a tiny random CLIP model + processor saved offline (PickScore's shape)
+  diffusers_rollouts   one `miles rollout-only` run on the in-process engine (2 small rollouts), read by the
+                       rollout-only, replay and sglang-comparison tests (treat it as read-only)
 Module fixture:
   local_ray            a fresh local Ray (2 CPUs, 256 MiB object store) for the module's tests; the ray module
 Function fixture:
@@ -21,6 +23,7 @@ import os
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -130,3 +133,25 @@ def tiny_clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     torch.manual_seed(0)
     CLIPModel(config).save_pretrained(root / "model")
     return str(root / "model"), str(root / "processor")
+
+
+@dataclass(frozen=True)
+class RolloutRun:
+    out: Path  # the run's --output-dir
+    debug: Path  # where --save-debug-rollout-data wrote r{rollout_id}.pt
+    flags: tuple[str, ...]  # the job flags after `rollout-only`: give them to jobs that must match the run
+
+
+@pytest.fixture(scope="session")
+def diffusers_rollouts(tiny_sd3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> RolloutRun:
+    from miles_cli.main import main
+
+    root = tmp_path_factory.mktemp("rollouts")
+    flags = ("--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir))
+    flags += ("--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4")
+    flags += ("--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "6")
+    flags += ("--diffusion-num-sde-steps", "3", "--diffusion-sde-window-range", "0,5", "--num-rollout", "2")
+    run = RolloutRun(out=root / "diffusers", debug=root / "debug", flags=flags)
+    argv = ["rollout-only", *flags, "--output-dir", str(run.out)]
+    assert main([*argv, "--save-debug-rollout-data", str(run.debug / "r{rollout_id}.pt")]) == 0
+    return run

@@ -74,6 +74,7 @@ def test_built_transformer_is_the_seeded_init(tiny_sd3_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~40 s; the seeded inits, tokenizers and VAE fit are checked above in the default run
 def test_full_rebuild_is_byte_identical(tiny_sd3_dir, tmp_path):
     from miles.models.tiny_sd3.builder import build_tiny_sd3
 

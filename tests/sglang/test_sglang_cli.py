@@ -18,15 +18,15 @@ from miles_cli.main import main
 
 SMALL = [
     "--rollout-batch-size",
-    "4",
+    "2",
     "--n-samples-per-prompt",
     "4",
     "--rollout-microgroup-size",
     "4",
     "--global-batch-size",
-    "16",
+    "8",
     "--micro-batch-size",
-    "16",
+    "8",
     "--diffusion-num-steps",
     "6",
     "--diffusion-num-sde-steps",
@@ -40,14 +40,11 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "engines" not in p.parts}
 
 
-def test_rollout_only_writes_the_same_files_on_both_backends(tiny_sd3_dir: Path, tmp_path: Path) -> None:
-    runs = {}
-    for backend in ("diffusers", "sglang"):
-        out = tmp_path / backend
-        argv = ["rollout-only", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir)]
-        argv += [*SMALL, "--num-rollout", "2", "--rollout-backend", backend, "--output-dir", str(out)]
-        assert main(argv) == 0
-        runs[backend] = out
+def test_rollout_only_writes_the_same_files_on_both_backends(diffusers_rollouts, tmp_path: Path) -> None:
+    runs = {"diffusers": diffusers_rollouts.out}  # the same job on the in-process engine (tests/conftest.py)
+    argv = ["rollout-only", *diffusers_rollouts.flags, "--rollout-backend", "sglang"]
+    assert main([*argv, "--output-dir", str(tmp_path / "sglang")]) == 0
+    runs["sglang"] = tmp_path / "sglang"
     assert _files(runs["sglang"]) == _files(runs["diffusers"])
     assert (runs["sglang"] / "engines" / "sglang_engine_0.log").is_file()
     for rollout_id in (0, 1):
@@ -86,7 +83,7 @@ def test_a_dead_engine_without_fault_tolerance_is_one_clear_error(tiny_sd3_dir: 
     argv = [sys.executable, "-c", "from miles_cli.main import entry; entry()", "rollout-only"]
     argv += ["--recipe", "tiny-digits-grpo"]
     argv += ["--hf-checkpoint", str(tiny_sd3_dir), *SMALL[:-6], "--diffusion-num-steps", "10"]
-    argv += ["--num-rollout", "50", "--rollout-backend", "sglang", "--rollout-num-engines", "2"]
+    argv += ["--num-rollout", "50", "--rollout-backend", "sglang"]
     argv += ["--rollout-health-check-interval", "1", "--output-dir", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
@@ -95,7 +92,7 @@ def test_a_dead_engine_without_fault_tolerance_is_one_clear_error(tiny_sd3_dir: 
     deadline = time.monotonic() + 300
     for line in proc.stdout:
         lines.append(line)
-        found = re.search(r"sglang engine 1 at \S+ \(pid (\d+)\)", line)
+        found = re.search(r"sglang engine 0 at \S+ \(pid (\d+)\)", line)
         if found and pid is None:
             pid = int(found.group(1))
             threading.Timer(3.0, os.kill, (pid, signal.SIGKILL)).start()  # mid-rollout
@@ -108,6 +105,6 @@ def test_a_dead_engine_without_fault_tolerance_is_one_clear_error(tiny_sd3_dir: 
     assert rc == 1, text[-3000:]
     errors = [line for line in lines if line.startswith("miles: error:")]
     assert len(errors) == 1, text[-3000:]
-    assert "sglang engine 1 at" in errors[0] and f"pid {pid}" in errors[0] and "--use-fault-tolerance" in errors[0]
+    assert "sglang engine 0 at" in errors[0] and f"pid {pid}" in errors[0] and "--use-fault-tolerance" in errors[0]
     assert "Traceback" not in text
     assert not (out / "rollout_49.pt").exists()

@@ -5,18 +5,10 @@ transformer parameter is then checked against the trainer's digests (`/update_we
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from miles.config.resolve import resolve
-from miles.models import weight_ipc
-from miles.rollout.engines.sglang.server import resolve_sglang_python
-from miles.rollout.engines.sglang.sync import tensor_sha256
 
 SMALL: dict[str, Any] = {
     "rollout_backend": "sglang",
@@ -32,36 +24,6 @@ SMALL: dict[str, Any] = {
     "lr_warmup_iters": 0,
     "lr": 1e-2,
 }
-
-# sglang's own deserializer (SafeUnpickler) and bucket class, in sglang's environment
-SGLANG_RECEIVER = r"""
-import json, sys, torch
-from sglang.srt.utils import MultiprocessingSerializer
-from sglang.multimodal_gen.runtime.post_training.weights_updater import WeightsUpdater
-payload = MultiprocessingSerializer.deserialize(sys.stdin.read())["transformer"]
-tensors = WeightsUpdater.__new__(WeightsUpdater)._materialize_weights_iter(payload, "flattened_bucket")
-import hashlib
-def sha(t):
-    t = t.contiguous(); h = hashlib.sha256(); h.update(str(t.dtype).encode()); h.update(repr(tuple(t.shape)).encode())
-    h.update(t.view(torch.uint8).numpy().tobytes()); return h.hexdigest()
-print(json.dumps({name: sha(t) for name, t in tensors}))
-"""
-
-
-def test_sglangs_deserializer_rebuilds_the_bucket_from_our_handles() -> None:
-    g = torch.Generator().manual_seed(0)
-    state = {"a.weight": torch.randn(8, 4, generator=g), "a.bias": torch.randn(8, generator=g)}
-    bucket = weight_ipc.pack_bucket(state, list(state))
-    out = subprocess.run(
-        [str(resolve_sglang_python(None)), "-c", SGLANG_RECEIVER],
-        input=weight_ipc.serialize_b64(bucket),
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {k: tensor_sha256(v) for k, v in state.items()}
 
 
 def _run(args: Any, rollouts: int = 2) -> list[dict[str, float]]:

@@ -85,6 +85,11 @@ class SglangEngine:
         info["server_cuda_visible_devices"] = self.spec.env.get("CUDA_VISIBLE_DEVICES")
         return info
 
+    def exit_code(self) -> int | None:
+        """The server process's exit code; None while it runs."""
+        proc = self.server.proc
+        return None if proc is None else proc.poll()
+
     def health(self) -> bool:
         return self.server.alive() and self.server.healthy(timeout=float(self.args.rollout_health_check_timeout))
 

@@ -263,17 +263,27 @@ class SglangRollout:
                 if resp.status == 200:
                     return body
                 engine = resp.headers.get("X-Miles-Engine", "the router")
-            if resp.status == 503 and self.args.use_fault_tolerance and time.monotonic() < deadline:
+            exited = await self._exited_engines()
+            if self.args.use_fault_tolerance and time.monotonic() < deadline:
                 with self.lock:
                     pending = self.restarting
-                if pending or not self.router.workers():
+                # a dead server: the health checker removes it and restarts it; the request waits for that
+                if exited or (resp.status == 503 and (pending or not self.router.workers())):
                     await asyncio.sleep(0.5)
                     continue
+            with self.lock:  # name the dead server, not only the request it broke
+                for i, code in exited.items():
+                    self.failed.setdefault(self._describe(i), f"its server exited with code {code}")
             self._raise_failures()
             raise RolloutEngineError(
                 f"rollout request for prompt {request.prompt!r} (seed {request.seeds[0]}) failed at {engine}: "
                 f"HTTP {resp.status}: {body[:500].decode(errors='replace')}"
             )
+
+    async def _exited_engines(self) -> dict[int, int]:
+        """Engines whose server process has exited, with its exit code."""
+        codes = await asyncio.gather(*(engine.exit_code.remote() for engine in self.engines))
+        return {i: code for i, code in enumerate(codes) if code is not None}
 
     # ---- weights ------------------------------------------------------------------------------
     def update_weights(self, state: dict[str, Any], version: int) -> int:
