@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from miles.io.metrics import read_metrics
 from miles.io.rollout_file import load_rollout
 from miles_cli.main import main
@@ -78,6 +80,7 @@ def test_train_rl_with_lora_syncs_verified_adapters(tiny_sd3_dir: Path, tmp_path
     assert adapters == ["lora_v2.safetensors", "lora_v3.safetensors"]  # the two newest are kept
 
 
+@pytest.mark.extended  # ~50 s (a server start); the engine tier checks that a dead engine stops the run, named
 def test_a_dead_engine_without_fault_tolerance_is_one_clear_error(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = [sys.executable, "-c", "from miles_cli.main import entry; entry()", "rollout-only"]
