@@ -301,3 +301,29 @@ def test_sglang_without_gpus_keeps_its_weights_under_colocate(
         "rl", "tiny-digits-grpo", rollout_backend="sglang", sglang_python=str(fake_python), offload_rollout=True
     )
     assert message.startswith("--offload-rollout on (cli): sglang releases an engine's GPU memory")
+
+
+def test_a_server_that_exits_reports_its_exit_code(tmp_path: Path) -> None:
+    """What a failed rollout request checks to name a dead engine: the process's exit code, None while it runs."""
+    from miles.rollout.engines.sglang.server import SglangServer
+
+    bin_dir = tmp_path / "env" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text("")
+    launcher = bin_dir / "sglang"  # stands in for sglang's launcher: sleeps, or exits with code 3
+    launcher.write_text('#!/bin/sh\n[ -e "$0.exit" ] && exit 3\nexec sleep 30\n')
+    launcher.chmod(0o755)
+    spec = ServerSpec(python=str(bin_dir / "python"), model_path=str(tmp_path))
+    running = SglangServer(spec, tmp_path / "logs")
+    assert running.exit_code() is None and not running.alive()  # not started
+    running.start()
+    try:
+        assert running.exit_code() is None and running.alive()
+    finally:
+        running.stop(grace=2.0)
+    assert running.exit_code() is not None and not running.alive()
+    (bin_dir / "sglang.exit").write_text("")
+    exiting = SglangServer(ServerSpec(python=str(bin_dir / "python"), model_path=str(tmp_path)), tmp_path / "logs")
+    exiting.start()
+    assert exiting.proc is not None and exiting.proc.wait(timeout=10) == 3
+    assert exiting.exit_code() == 3 and not exiting.alive()

@@ -86,9 +86,7 @@ class SglangEngine:
         return info
 
     def exit_code(self) -> int | None:
-        """The server process's exit code; None while it runs."""
-        proc = self.server.proc
-        return None if proc is None else proc.poll()
+        return self.server.exit_code()
 
     def health(self) -> bool:
         return self.server.alive() and self.server.healthy(timeout=float(self.args.rollout_health_check_timeout))

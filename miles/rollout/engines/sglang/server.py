@@ -187,8 +187,12 @@ class SglangServer:
             )
         self.started_at = time.monotonic()
 
+    def exit_code(self) -> int | None:
+        """The server's exit code once it has exited; None while it runs (or before it started)."""
+        return None if self.proc is None else self.proc.poll()
+
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self.exit_code() is None
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
