@@ -10,7 +10,7 @@ import typer
 
 from miles.config.errors import ConfigError
 
-app = typer.Typer(help="Build the embedded models (tiny-sd3) offline.", no_args_is_help=True)
+app = typer.Typer(help="Build the embedded models (tiny-sd3, tiny-flux, tiny-qwen-image) offline.", no_args_is_help=True)
 
 
 @app.callback()
@@ -20,7 +20,7 @@ def _models() -> None:
 
 @app.command("build")
 def build(
-    name: Annotated[str, typer.Argument(help="Model to build; only 'tiny-sd3' for now.")],
+    name: Annotated[str, typer.Argument(help="Model to build: tiny-sd3, tiny-flux, tiny-qwen-image.")],
     out: Annotated[
         Path | None,
         typer.Option("--out", help="Directory to build into (default: $MILES_HOME/models/NAME)."),
@@ -51,14 +51,20 @@ def build(
         if out is not None and not complete:
             raise ConfigError(f"{where}: --force only replaces a {name} checkpoint, and this is not one")
         shutil.rmtree(target)
-    from miles.models.tiny_sd3.builder import build_tiny_sd3
+    from miles.models.checkpoints import TINY_BUILDERS, tiny_builder
     from miles.utils.paths import file_lock
 
+    if name not in TINY_BUILDERS:
+        raise ConfigError(
+            f"models build: {name!r} is built by training (on first use by its recipes); "
+            f"offline builds: {', '.join(TINY_BUILDERS)}"
+        )
+    build_fn = tiny_builder(name)
     if out is None:  # the shared location: serialize with ensure_checkpoint's builds
         with file_lock(target.parent / f".{name}.lock"):
-            report = build_tiny_sd3(target, seed=seed, progress=True)
+            report = build_fn(target, seed=seed, progress=True)
     else:
-        report = build_tiny_sd3(target, seed=seed, progress=True)
+        report = build_fn(target, seed=seed, progress=True)
     phases = ", ".join(f"{k} {v:.1f}s" for k, v in report.phase_seconds.items())
     typer.echo(f"built {name} at {report.out_dir} in {report.seconds:.1f}s ({phases})")
     typer.echo(f"digit classifier test accuracy: {report.classifier_test_accuracy:.4f}")

@@ -13,10 +13,17 @@ from pathlib import Path
 
 from miles.config.errors import ConfigError
 from miles.models.digits_teachers import SFT_TEACHERS, is_current
-from miles.models.tiny_sd3.metadata import METADATA_FILE, TINY_SD3_NAME
+from miles.models.pipeline_config import import_dotted
+from miles.models.tiny_sd3.metadata import METADATA_FILES, TINY_SD3_NAME
 from miles.utils.paths import file_lock, models_dir
 
-BUILTIN_MODELS = (TINY_SD3_NAME, *SFT_TEACHERS)
+# the offline tiny builds: name -> "module:function" with the signature (out_dir, seed=, progress=) -> BuildReport
+TINY_BUILDERS: dict[str, str] = {
+    TINY_SD3_NAME: "miles.models.tiny_sd3.builder:build_tiny_sd3",
+    "tiny-flux": "miles.models.flux.tiny:build_tiny_flux",
+    "tiny-qwen-image": "miles.models.qwen_image.tiny:build_tiny_qwen_image",
+}
+BUILTIN_MODELS = (*TINY_BUILDERS, *SFT_TEACHERS)
 
 
 def is_builtin_model(name: str | os.PathLike) -> bool:
@@ -32,12 +39,13 @@ def builtin_checkpoint_dir(name: str) -> Path:
 
 def is_complete(path: Path, name: str | None = None) -> bool:
     """A whole checkpoint; for a digits teacher, also one built with today's step count."""
-    whole = (path / METADATA_FILE).is_file() and (path / "model_index.json").is_file()
+    whole = any((path / f).is_file() for f in METADATA_FILES) and (path / "model_index.json").is_file()
     return whole and (name not in SFT_TEACHERS or is_current(path, name))
 
 
 def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, seed: int = 0) -> Path:
-    """`tiny-sd3` -> `$MILES_HOME/models/tiny-sd3` (built on first use, seeded); else `Path(name_or_path)`."""
+    """A built-in name (`tiny-sd3`, `tiny-flux`, ...) -> `$MILES_HOME/models/<name>` (built on first use,
+    seeded); anything else -> `Path(name_or_path)`."""
     name = str(name_or_path)
     if not is_builtin_model(name):
         return Path(name).expanduser() if name.startswith("~") else Path(name)
@@ -61,7 +69,10 @@ def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, se
 
             build_digits_teacher(name, target, progress=progress)
         else:
-            from miles.models.tiny_sd3.builder import build_tiny_sd3
-
-            build_tiny_sd3(target, seed=seed, progress=progress)
+            tiny_builder(name)(target, seed=seed, progress=progress)
     return target
+
+
+def tiny_builder(name: str):
+    """The build function of the tiny model `name` (imported on use: it loads torch and diffusers)."""
+    return import_dotted(TINY_BUILDERS[name])

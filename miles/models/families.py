@@ -31,7 +31,12 @@ CONFIG_PATH_FLAG = "--train-pipeline-config-path"
 CHECKPOINT_FLAG = "--hf-checkpoint"
 
 _REGISTRY: dict[str, type[TrainPipelineConfig]] = {}
-_BUILTIN_MODULES = ("miles.models.sd3", "miles.models.pending_families")
+_BUILTIN_MODULES = (
+    "miles.models.sd3",
+    "miles.models.flux.config",
+    "miles.models.qwen_image.config",
+    "miles.models.pending_families",
+)
 _builtins_loaded = False
 
 

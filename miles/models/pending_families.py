@@ -30,33 +30,10 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
     trainable = False
     not_trainable_reason = "expert routing and video rollouts are not implemented"
 
-
-@register_train_pipeline_config("qwen_image")
-class QwenImageTrainPipelineConfig(TrainPipelineConfig):
-    description = "Qwen-Image text-to-image (MM-DiT, Qwen2.5-VL text encoder)"
-    hf_ckpt_name_patterns = ("qwen-image", "qwen_image", "qwenimage")
-    pipeline_class = "diffusers.QwenImagePipeline"
-    transformer_class = "diffusers.QwenImageTransformer2DModel"
-    lora_target_modules = (
-        *_ATTN,
-        *_ADD_ATTN,
-        "img_mlp.net.0.proj",
-        "img_mlp.net.2",
-        "txt_mlp.net.0.proj",
-        "txt_mlp.net.2",
-    )
-    condition_inputs = ("encoder_hidden_states", "encoder_hidden_states_mask")
-    timestep_input_scale = 1.0 / 1000.0
-    cfg_batching = False
-    trainable = False
-    not_trainable_reason = "its RoPE/packed-latent condition handling is not implemented"
-
-    def cfg_combine(self, pos: Any, neg: Any, scale: float, true_cfg_scale: float | None = None) -> Any:
-        """neg + s(pos - neg); with true CFG > 1 the result is rescaled to pos's per-token norm."""
-        combined = neg + scale * (pos - neg)
-        if true_cfg_scale is not None and true_cfg_scale > 1:
-            combined = combined * (pos.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
-        return combined
+    def check_settings(self, res: Any, job: Any) -> None:
+        super().check_settings(res, job)
+        if job.trains and res["diffusion_guidance_scale_2"] is None:
+            res.fail("--diffusion-guidance-scale-2 is required when training wan2_2 (the low-noise expert's scale)")
 
 
 @register_train_pipeline_config("ltx")
@@ -73,6 +50,13 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
     input_dtype_policy = MappingProxyType({"latents": "default", "cond": "default", "timestep": None})
     trainable = False
     not_trainable_reason = "its native audio-video modeling is not implemented"
+
+    def check_settings(self, res: Any, job: Any) -> None:
+        super().check_settings(res, job)
+        if res["diffusion_guidance_scale"] != 1.0:
+            res.fail(f"{res.show('diffusion_guidance_scale')}: the ltx family trains unguided (use 1.0)")
+        if res["diffusion_negative_prompt"] is not None:
+            res.fail(f"{res.show('diffusion_negative_prompt')}: the ltx family takes no negative prompt")
 
 
 @register_train_pipeline_config("cosmos3")

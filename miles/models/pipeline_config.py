@@ -56,6 +56,18 @@ class TrainPipelineConfig:
       sde_timestep_divisor: sigma = timestep / divisor for CPS (None: use the scheduler's sigmas).
       timestep_input_scale: multiply the timestep by this before the DiT forward (1/1000 for [0,1] DiTs).
       optimizer_state_allowed_missing: parameter-name fragments whose optimizer state may be absent on load.
+      guidance_mode: how `--diffusion-guidance-scale` / `--diffusion-true-cfg-scale` reach the model:
+          "cfg" (two branches combined at the guidance scale), "embedded" (the guidance scale is a model
+          input, e.g. FLUX.1-dev; real CFG only with a true-CFG scale > 1) or "true_cfg" (two branches at the
+          true-CFG scale, falling back to the guidance scale, e.g. Qwen-Image).
+      pipeline_sigmas: the pipeline passes `sigmas=linspace(1, 1/n, n)` to `set_timesteps` (FLUX, Qwen-Image)
+          instead of a bare step count (SD3); a dynamic-shift scheduler also gets `mu` from the token count.
+      latent_patch: the DiT's spatial patch (token count = h*w / patch**2 for the dynamic shift).
+      sglang_model_id: the `--model-id` sglang-diffusion needs to pick its native pipeline for a local dir.
+
+    Engine hooks (`encode_prompts`, `latent_shape`, `encode_images`, `decode_latents`) and the guided
+    forward (`guided_velocity`) are what the engines, the trainer, DMD2 and SFT call; a family overrides
+    them instead of callers branching on the family.
     """
 
     name: ClassVar[str] = "custom"
@@ -77,6 +89,11 @@ class TrainPipelineConfig:
     sde_timestep_divisor: ClassVar[float | None] = None
     timestep_input_scale: ClassVar[float] = 1.0
     optimizer_state_allowed_missing: ClassVar[tuple[str, ...]] = ()
+    guidance_mode: ClassVar[str] = "cfg"
+    pipeline_sigmas: ClassVar[bool] = False
+    latent_patch: ClassVar[int] = 2
+    packs_latents: ClassVar[bool] = False  # the DiT takes 2x2-packed tokens (so h, w must be even)
+    sglang_model_id: ClassVar[str | None] = None
 
     # ---- lazy class access -------------------------------------------------------------------
     def load_pipeline_class(self) -> type:
@@ -94,10 +111,101 @@ class TrainPipelineConfig:
         lowered = checkpoint_name.lower()
         return max((len(p) for p in cls.hf_ckpt_name_patterns if p.lower() in lowered), default=0)
 
-    # ---- training-forward helpers (tensor-generic: no torch import needed) --------------------
+    # ---- guidance -------------------------------------------------------------------------------
+    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float | None = None) -> float:
+        """The scale of the two-branch (positive/negative) combine; <= 1 means one branch only."""
+        if self.guidance_mode == "embedded":
+            return float(true_cfg_scale) if true_cfg_scale is not None else 1.0
+        if self.guidance_mode == "true_cfg" and true_cfg_scale is not None:
+            return float(true_cfg_scale)
+        return float(guidance_scale)
+
+    def embedded_guidance(self, guidance_scale: float) -> float | None:
+        """The guidance value fed to the model as an input (guidance-distilled models), else None."""
+        return float(guidance_scale) if self.guidance_mode == "embedded" else None
+
+    # ---- schedule --------------------------------------------------------------------------------
+    def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
+        """The DiT's image token count for one latent of `latent_shape` (C, [F,] h, w)."""
+        count = 1
+        for d in latent_shape[1:-2]:
+            count *= int(d)
+        return count * (int(latent_shape[-2]) // self.latent_patch) * (int(latent_shape[-1]) // self.latent_patch)
+
+    def schedule(
+        self, scheduler: Any, num_steps: int, latent_shape: tuple[int, ...], flow_shift: float | None = None
+    ) -> tuple[Any, Any]:
+        """`(sigmas [T+1], timesteps [T])` exactly as this family's pipeline sets its scheduler, fp32 CPU.
+
+        `scheduler` is not modified (a copy is set). A dynamic-shift scheduler gets `mu` from the image token
+        count, as the pipeline computes it; `flow_shift` (`--diffusion-flow-shift`) replaces the shift and
+        turns dynamic shifting off.
+        """
+        import copy
+
+        import numpy as np
+
+        from miles.rollout.sde import scheduler_schedule
+
+        config = scheduler.config
+        if flow_shift is not None:
+            overrides: dict[str, Any] = {"shift": float(flow_shift)}
+            if config.get("use_dynamic_shifting", False):
+                overrides["use_dynamic_shifting"] = False
+            scheduler = type(scheduler).from_config(config, **overrides)
+        else:
+            scheduler = copy.deepcopy(scheduler)
+        config = scheduler.config
+        kwargs: dict[str, Any] = {}
+        if self.pipeline_sigmas:
+            kwargs["sigmas"] = np.linspace(1.0, 1.0 / num_steps, num_steps)
+        if config.get("use_dynamic_shifting", False):
+            kwargs["mu"] = dynamic_shift_mu(self.image_seq_len(latent_shape), config)
+        if "sigmas" in kwargs:
+            scheduler.set_timesteps(device="cpu", **kwargs)
+        else:
+            scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        return scheduler_schedule(scheduler)
+
+    # ---- training-forward helpers --------------------------------------------------------------
     def cfg_combine(self, pos: Any, neg: Any, scale: float) -> Any:
         """Classifier-free guidance: neg + scale * (pos - neg)."""
         return neg + scale * (pos - neg)
+
+    def guided_velocity(
+        self,
+        transformer: Any,
+        latents: Any,
+        timestep: Any,
+        pos: Mapping[str, Any],
+        neg: Mapping[str, Any] | None = None,
+        cfg_scale: float | None = None,
+    ) -> Any:
+        """The velocity in fp32 with this family's guidance: one forward, or (when `cfg_scale > 1`) the
+        positive and negative branches, in one batch (`cfg_batching`) or two forwards, then `cfg_combine`.
+        The engines, the trainer, DMD2 and SFT all call this, so their forwards are the same computation."""
+        if cfg_scale is None or cfg_scale <= 1.0:
+            return self.forward_velocity(transformer, latents, timestep, pos).float()
+        if neg is None:
+            raise ValueError(f"CFG at scale {cfg_scale} needs negative conditions")
+        if self.cfg_batching:
+            import torch
+
+            cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
+            out = self.forward_velocity(
+                transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), cond
+            )
+            v_neg, v_pos = out.float().chunk(2)
+        else:
+            v_pos = self.forward_velocity(transformer, latents, timestep, pos).float()
+            v_neg = self.forward_velocity(transformer, latents, timestep, neg).float()
+        return self.cfg_combine(v_pos, v_neg, cfg_scale)
+
+    def collate_conditions(self, rows: list[Mapping[str, Any]]) -> dict[str, Any]:
+        """Batch per-sample condition rows (each without a batch dim). Default: stack (equal shapes)."""
+        import torch
+
+        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
     def prepare_cond_kwargs(self, cond: Mapping[str, Any]) -> dict[str, Any]:
         """Select this family's condition inputs from a cond dict (a missing one is a KeyError)."""
@@ -111,6 +219,33 @@ class TrainPipelineConfig:
         t = timestep * self.timestep_input_scale if self.timestep_input_scale != 1.0 else timestep
         out = transformer(hidden_states=latents, timestep=t, return_dict=False, **self.prepare_cond_kwargs(cond))
         return out[0]
+
+    # ---- engine hooks: the VAE side (an AutoencoderKL with shift/scale by default) ---------------
+    def latent_channels(self, pipe: Any) -> int:
+        return int(pipe.transformer.config.in_channels)
+
+    def latent_shape(self, pipe: Any, height: int, width: int) -> tuple[int, ...]:
+        """The natural-layout shape (C, h, w) of one latent for an image of `height` x `width`."""
+        factor = pipe.vae_scale_factor * (self.latent_patch if self.packs_latents else 1)
+        if height % factor or width % factor:
+            raise ValueError(
+                f"--diffusion-height/--diffusion-width must be multiples of {factor} for model family "
+                f"{self.name!r}, got {height}x{width}"
+            )
+        return (self.latent_channels(pipe), height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+
+    def encode_images(self, pipe: Any, pixels: Any) -> Any:
+        """Images [B, 3, H, W] in [-1, 1] -> normalised latents [B, C, h, w] (the posterior mean)."""
+        vae = pipe.vae
+        z = vae.encode(pixels.to(vae.dtype)).latent_dist.mean
+        return (z - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def decode_latents(self, pipe: Any, latents: Any) -> Any:
+        """Final latents [B, C, h, w] -> images [B, 3, H, W] in [0, 1], fp32 (the VAE's own shift/scale)."""
+        vae = pipe.vae
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
 
     # ---- training-side parallelism and attention (import torch only when called) ---------------
     def enable_sequence_parallel(self, model: Any, group: Any) -> None:
@@ -135,6 +270,16 @@ class TrainPipelineConfig:
         model.set_attention_backend(backend)
 
     # ---- validation --------------------------------------------------------------------------
+    def check_settings(self, res: Any, job: Any) -> None:
+        """This family's rules on the resolved flags (`miles.config.resolution.Resolution`): `res.fail(...)`
+        for a setting it cannot honour. The base refuses a true-CFG scale where guidance is plain CFG."""
+        if res["diffusion_true_cfg_scale"] is not None and self.guidance_mode == "cfg":
+            res.fail(
+                f"{res.show('diffusion_true_cfg_scale')}: model family {self.name!r} has plain CFG "
+                "(set --diffusion-guidance-scale); a true-CFG scale is for flux (real CFG beside its embedded "
+                "guidance) and qwen_image"
+            )
+
     def check_trainable(self, selected_by: str, trainable_families: tuple[str, ...] = ()) -> None:
         """Raise ConfigError (naming `selected_by`, e.g. the flag) when this family has no training path yet."""
         if not self.trainable:
@@ -155,8 +300,21 @@ class TrainPipelineConfig:
             "lora_target_modules": list(self.lora_target_modules),
             "condition_inputs": list(self.condition_inputs),
             "weight_sync_targets": list(self.weight_sync_targets),
+            "guidance_mode": self.guidance_mode,
+            "cfg_batching": self.cfg_batching,
             "trainable": self.trainable,
         }
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def dynamic_shift_mu(image_seq_len: int, config: Mapping[str, Any]) -> float:
+    """The resolution-dependent shift `mu`: linear in the image token count between the scheduler's
+    (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), as FLUX and Qwen-Image compute it."""
+    base_len = config.get("base_image_seq_len", 256)
+    max_len = config.get("max_image_seq_len", 4096)
+    base_shift = config.get("base_shift", 0.5)
+    max_shift = config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * slope + (base_shift - slope * base_len)

@@ -39,11 +39,20 @@ class SD3TrainPipelineConfig(TrainPipelineConfig):
     cfg_batching = True
     input_dtype_policy = MappingProxyType({"latents": "default", "cond": "default", "timestep": None})
 
-    # ---- engine hooks: prompt encoding, latent geometry, decoding (imports torch only when called) ----
+    sglang_model_id = "stable-diffusion-3-medium-diffusers"
+
+    # ---- engine hooks: prompt encoding (imports torch only when called); the VAE side is the base's ----
     def encode_prompts(
-        self, pipe: Any, prompts: list[str], negative_prompt: str | None, do_cfg: bool, max_sequence_length: int
+        self,
+        pipe: Any,
+        prompts: list[str],
+        negative_prompt: str | None,
+        do_cfg: bool,
+        max_sequence_length: int,
+        guidance: float | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Positive (and, under CFG, negative) condition dicts, batched over `prompts`."""
+        """Positive (and, under CFG, negative) condition dicts, batched over `prompts` (SD3 has no
+        embedded guidance: `guidance` is unused)."""
         negative = [negative_prompt if negative_prompt is not None else " "] * len(prompts) if do_cfg else None
         pos, neg, pooled, neg_pooled = pipe.encode_prompt(
             prompt=prompts,
@@ -60,22 +69,6 @@ class SD3TrainPipelineConfig(TrainPipelineConfig):
         if not do_cfg:
             return positive, None
         return positive, {"encoder_hidden_states": neg, "pooled_projections": neg_pooled}
-
-    def latent_shape(self, pipe: Any, height: int, width: int) -> tuple[int, int, int]:
-        """(C, h, w) of one latent for an image of `height` x `width`."""
-        factor = pipe.vae_scale_factor
-        if height % factor or width % factor:
-            raise ValueError(
-                f"--diffusion-height/--diffusion-width must be multiples of {factor}, got {height}x{width}"
-            )
-        return (pipe.transformer.config.in_channels, height // factor, width // factor)
-
-    def decode_latents(self, pipe: Any, latents: Any) -> Any:
-        """Final latents [B, C, h, w] -> images [B, 3, H, W] in [0, 1], fp32 (the VAE's own shift/scale)."""
-        vae = pipe.vae
-        z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
 
     # ---- training-side parallelism (miles.models.sd3_parallel: diffusers' SD3 processor has neither) ----
     def enable_sequence_parallel(self, model: Any, group: Any) -> None:

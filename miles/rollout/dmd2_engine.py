@@ -71,8 +71,14 @@ def _conditions(engine: Any, prompt: str, negative_prompt: str | None, negative:
     cache: dict[tuple, Conditions] = engine.__dict__.setdefault("_few_step_conditions", {})
     key = (prompt, negative_prompt, negative)
     if key not in cache:
-        pos, neg = engine.family.encode_prompts(
-            engine.pipe, [prompt], negative_prompt, negative, engine.max_sequence_length
+        family = engine.family
+        pos, neg = family.encode_prompts(
+            engine.pipe,
+            [prompt],
+            negative_prompt,
+            negative,
+            engine.max_sequence_length,
+            guidance=family.embedded_guidance(engine.args.diffusion_guidance_scale),
         )
         cache[key] = Conditions(
             {k: v[0].detach().float().cpu() for k, v in pos.items()},
@@ -105,17 +111,16 @@ def _run_batch(engine: Any, rows: list[tuple[GenerateRequest, int]]) -> list[Sam
     family, pipe = engine.family, engine.pipe
     conds = [_conditions(engine, req.prompt, req.negative_prompt, req.extra["negative"]) for req, _ in rows]
     model_cond = {
-        k: torch.stack([c.positive[k] for c in conds]).to(engine.device, engine.dtype) for k in conds[0].positive
+        k: v.to(engine.device, engine.dtype if v.is_floating_point() else v.dtype)
+        for k, v in family.collate_conditions([c.positive for c in conds]).items()
     }
     shape = family.latent_shape(pipe, first.height, first.width)
     generators = [cpu_generator(req.seeds[b]) for req, b in rows]
     noise = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        v = family.forward_velocity(
-            pipe.transformer, x.to(engine.device, engine.dtype), t.to(engine.device), model_cond
-        )
-        return v.float().cpu()
+        x_in, t_in = x.to(engine.device, engine.dtype), t.to(engine.device)
+        return family.guided_velocity(pipe.transformer, x_in, t_in, model_cond).cpu()
 
     def fresh_noise(_: torch.Size) -> torch.Tensor:
         return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])

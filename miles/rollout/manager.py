@@ -61,6 +61,7 @@ def build_requests(
                     width=int(args.diffusion_width),
                     negative_prompt=args.diffusion_negative_prompt,
                     evaluation=evaluation,
+                    true_cfg_scale=args.diffusion_true_cfg_scale,
                 )
             )
     return requests

@@ -76,14 +76,9 @@ def model_velocity(
 ) -> torch.Tensor:
     """`model`'s velocity (the trainer's family and forward dtype), with CFG when `cfg > 1`."""
     family, dtype = trainer.family, trainer.forward_dtype
-    pos = stack_conditions(samples, negative=False)
-    if cfg > 1.0:
-        neg = stack_conditions(samples, negative=True)
-        cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
-        out = family.forward_velocity(model, torch.cat([x, x]).to(dtype), t.repeat(2), cond).float()
-        v_neg, v_pos = out.chunk(2)
-        return family.cfg_combine(v_pos, v_neg, cfg)
-    return family.forward_velocity(model, x.to(dtype), t, pos).float()
+    pos = stack_conditions(samples, negative=False, family=family)
+    neg = stack_conditions(samples, negative=True, family=family) if cfg > 1.0 else None
+    return family.guided_velocity(model, x.to(dtype), t, pos, neg, cfg)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -102,9 +102,12 @@ def flow_grpo_batch(pairs: Sequence[Pair]) -> dict[str, Any]:
     }
 
 
-def stack_conditions(samples: Sequence[Sample], negative: bool) -> dict[str, torch.Tensor]:
-    """Batch the samples' stored condition rows (positive, or negative for CFG)."""
+def stack_conditions(samples: Sequence[Sample], negative: bool, family: Any = None) -> dict[str, torch.Tensor]:
+    """Batch the samples' stored condition rows (positive, or negative for CFG), with the family's
+    `collate_conditions` (which pads variable-length text) when one is given, else by stacking."""
     rows = [s.conditions.negative if negative else s.conditions.positive for s in samples]  # type: ignore[union-attr]
     if any(r is None for r in rows):
         raise ValueError("a sample has no negative conditions, but CFG is on")
+    if family is not None:
+        return family.collate_conditions(rows)
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}  # type: ignore[index]

@@ -94,16 +94,19 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     size = (int(args.diffusion_height), int(args.diffusion_width))
     images = np.stack([_load_image((path.parent / r["image"]).resolve(), size) for r in rows])
     pixels = torch.from_numpy(images).permute(0, 3, 1, 2) * 2 - 1
-    vae = pipe.vae
-    latents = []
-    for i in range(0, len(pixels), batch_size):
-        z = vae.encode(pixels[i : i + batch_size]).latent_dist.mean
-        latents.append((z - vae.config.shift_factor) * vae.config.scaling_factor)
+    latents = [family.encode_images(pipe, pixels[i : i + batch_size]) for i in range(0, len(pixels), batch_size)]
     max_len = max_sequence_length(checkpoint)
     captions = [str(r[args.input_key]) for r in rows]
     cache: dict[str, Conditions] = {}
     for caption in dict.fromkeys(captions):
-        pos, neg = family.encode_prompts(pipe, [caption], args.diffusion_negative_prompt, True, max_len)
+        pos, neg = family.encode_prompts(
+            pipe,
+            [caption],
+            args.diffusion_negative_prompt,
+            True,
+            max_len,
+            guidance=family.embedded_guidance(args.diffusion_guidance_scale),
+        )
         cache[caption] = Conditions(
             {k: v[0].float() for k, v in pos.items()},
             {k: v[0].float() for k, v in neg.items()} if neg is not None else None,

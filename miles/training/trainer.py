@@ -103,8 +103,9 @@ class Trainer:
     ) -> torch.Tensor:
         """The family's DiT velocity, with classifier-free guidance when `cfg_scale > 1`."""
         cfg = cfg_scale is not None and cfg_scale > 1.0
-        neg = stack_conditions(samples, negative=True) if cfg else None
-        return self.dit_velocity(x, timesteps, stack_conditions(samples, negative=False), neg, cfg_scale)
+        neg = stack_conditions(samples, negative=True, family=self.family) if cfg else None
+        pos = stack_conditions(samples, negative=False, family=self.family)
+        return self.dit_velocity(x, timesteps, pos, neg, cfg_scale)
 
     def dit_velocity(
         self,
@@ -114,17 +115,9 @@ class Trainer:
         neg: dict[str, torch.Tensor] | None,
         cfg_scale: float | None,
     ) -> torch.Tensor:
-        """`velocity` on batched condition tensors (`neg` is needed when `cfg_scale > 1`)."""
-        if cfg_scale is not None and cfg_scale > 1.0:
-            if neg is None:
-                raise ValueError(f"CFG at scale {cfg_scale} needs negative conditions")
-            cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
-            out = self.family.forward_velocity(
-                self.model, torch.cat([x, x]).to(self.forward_dtype), timesteps.repeat(2), cond
-            )
-            v_neg, v_pos = out.float().chunk(2)
-            return self.family.cfg_combine(v_pos, v_neg, cfg_scale)
-        return self.family.forward_velocity(self.model, x.to(self.forward_dtype), timesteps, pos).float()
+        """`velocity` on batched condition tensors (`neg` is needed when `cfg_scale > 1`): the family's
+        guided forward, the same computation the engine ran."""
+        return self.family.guided_velocity(self.model, x.to(self.forward_dtype), timesteps, pos, neg, cfg_scale)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:

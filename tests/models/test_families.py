@@ -22,8 +22,8 @@ from miles.models.sd3 import SD3_LORA_TARGET_MODULES, SD3TrainPipelineConfig
 
 
 def test_registered_keys():
-    assert set(registered_families()) == {"sd3", "wan2_2", "qwen_image", "ltx", "cosmos3"}
-    assert trainable_families() == ("sd3",)
+    assert set(registered_families()) == {"sd3", "flux", "wan2_2", "qwen_image", "ltx", "cosmos3"}
+    assert trainable_families() == ("flux", "qwen_image", "sd3")
 
 
 @pytest.mark.parametrize(
@@ -38,6 +38,10 @@ def test_registered_keys():
         ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan2_2"),
         ("my/wan2_2-finetune", "wan2_2"),
         ("Qwen/Qwen-Image", "qwen_image"),
+        ("tiny-qwen-image", "qwen_image"),
+        ("black-forest-labs/FLUX.1-dev", "flux"),
+        ("black-forest-labs/FLUX.1-schnell", "flux"),
+        ("tiny-flux", "flux"),
         ("Lightricks/LTX-2", "ltx"),
         ("nvidia/Cosmos3-Nano", "cosmos3"),
     ],
@@ -56,7 +60,7 @@ def test_local_dir_without_hint_uses_model_index(tmp_path):
     ckpt.mkdir()
     (ckpt / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
     assert resolve_family(str(ckpt), env={}).name == "sd3"
-    (ckpt / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    (ckpt / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
     with pytest.raises(ConfigError, match="no model family matches"):
         resolve_family(str(ckpt), env={})
 
@@ -164,7 +168,7 @@ def test_unknown_family_suggests():
         resolve_family("tiny-sd3", family="sd35", env={})
     msg = str(info.value)
     assert "--diffusion-model-family" in msg and "did you mean 'sd3'" in msg
-    assert "cosmos3, ltx, qwen_image, sd3, wan2_2" in msg
+    assert "cosmos3, flux, ltx, qwen_image, sd3, wan2_2" in msg
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"env MILES_DIFFUSION_MODEL_FAMILY: unknown model family 'sdxl'"):
         resolve_family("tiny-sd3", env={FAMILY_ENV: "sdxl"})
@@ -186,7 +190,7 @@ def test_no_family_matches():
     ("kwargs", "where"),
     [
         ({"family": "wan2_2"}, "--diffusion-model-family wan2_2"),
-        ({"hf_checkpoint": "Qwen/Qwen-Image"}, "--hf-checkpoint 'Qwen/Qwen-Image'"),
+        ({"hf_checkpoint": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}, "--hf-checkpoint 'Wan-AI/Wan2.2-T2V-A14B-Diffusers'"),
         ({"env": {FAMILY_ENV: "cosmos3"}}, "MILES_DIFFUSION_MODEL_FAMILY=cosmos3"),
         ({"family": "ltx"}, "--diffusion-model-family ltx"),
     ],
@@ -196,7 +200,7 @@ def test_untrainable_family_is_a_config_error(kwargs, where):
     with pytest.raises(ConfigError, match="not trainable") as info:
         resolve_family(**kwargs)
     assert str(info.value).startswith(where)
-    assert "trainable families: sd3" in str(info.value)
+    assert "trainable families: flux, qwen_image, sd3" in str(info.value)
     assert resolve_family(**kwargs, require_trainable=False).trainable is False
 
 

@@ -18,18 +18,13 @@ def check_model(res: Resolution, job: JobSpec) -> None:
             f"{res.show('diffusion_model_family')} and {res.show('train_pipeline_config_path')} "
             "are mutually exclusive: name a registered family or give your own TrainPipelineConfig"
         )
-    family = _resolve_family_name(res, job)
-    if family == "wan2_2" and job.trains and res["diffusion_guidance_scale_2"] is None:
-        res.fail("--diffusion-guidance-scale-2 is required when training wan2_2 (the low-noise expert's CFG scale)")
-    if family == "ltx":
-        if res["diffusion_guidance_scale"] != 1.0:
-            res.fail(f"{res.show('diffusion_guidance_scale')}: the ltx family trains unguided (use 1.0)")
-        if res["diffusion_negative_prompt"] is not None:
-            res.fail(f"{res.show('diffusion_negative_prompt')}: the ltx family takes no negative prompt")
+    family = _resolve_family(res, job)
+    if family is not None:
+        family.check_settings(res, job)  # the family's own rules (guidance, experts, ...)
 
 
-def _resolve_family_name(res: Resolution, job: JobSpec) -> str | None:
-    """The model family, when the family registry is importable (it is torch-free)."""
+def _resolve_family(res: Resolution, job: JobSpec):
+    """The model family's config, when the family registry is importable (it is torch-free)."""
     try:
         from miles.models.families import resolve_family
     except ImportError:  # pragma: no cover - the registry ships with the package
@@ -42,7 +37,7 @@ def _resolve_family_name(res: Resolution, job: JobSpec) -> str | None:
         config_path=None,
         require_trainable=job.trains,
     )
-    return config.name
+    return config
 
 
 def check_prompt_data(res: Resolution, job: JobSpec) -> None:

@@ -13,24 +13,40 @@ from pathlib import Path
 from typing import Any
 
 TINY_SD3_NAME = "tiny-sd3"
-METADATA_FILE = "miles_tiny_sd3.json"
+METADATA_FILE = "miles_tiny_sd3.json"  # tiny-sd3's (and the digits teachers') metadata file
+TINY_METADATA_FILE = "miles_tiny.json"  # every other tiny family's builds (tiny-flux, tiny-qwen-image, ...)
+METADATA_FILES = (METADATA_FILE, TINY_METADATA_FILE)
 FORMAT_VERSION = 1
 TINY_MAX_SEQUENCE_LENGTH = 8  # T5 tokens; the digit prompts need 5 (with </s>)
 TINY_RESOLUTION = 64
 DIFFUSERS_SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's own default
 
 
+TINY_NAMES = (TINY_SD3_NAME, "tiny-flux", "tiny-qwen-image")  # the built-in offline builds
+
+
 def _checkpoint_path(checkpoint: str | os.PathLike) -> Path:
-    if str(checkpoint) == TINY_SD3_NAME:
+    if str(checkpoint) in TINY_NAMES:
         from miles.utils.paths import models_dir
 
-        return models_dir() / TINY_SD3_NAME
+        return models_dir() / str(checkpoint)
     return Path(checkpoint).expanduser()
 
 
+def metadata_path(checkpoint: str | os.PathLike) -> Path | None:
+    """The tiny-model metadata file of a checkpoint dir, or None if it has none."""
+    folder = _checkpoint_path(checkpoint)
+    for name in METADATA_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
 def read_metadata(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
-    """The tiny-sd3 metadata of a checkpoint dir (or the name "tiny-sd3"), or None if it has none."""
-    path = _checkpoint_path(checkpoint) / METADATA_FILE
+    """The tiny-model metadata of a checkpoint dir (or a built-in name such as "tiny-sd3"), or None."""
+    path = metadata_path(checkpoint)
+    if path is None:
+        return None
     try:
         return json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):

@@ -33,6 +33,7 @@ class GenerateRequest:
     negative_prompt: str | None = None
     evaluation: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    true_cfg_scale: float | None = None  # --diffusion-true-cfg-scale (families with embedded guidance or true CFG)
 
     def __post_init__(self) -> None:
         m = len(self.seeds)

@@ -8,7 +8,6 @@ on the steps the step strategy chose, so with noise level 0 it reproduces the pl
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ from miles.models.loading import quiet_loading
 from miles.models.lora_sync import LoraMerger, is_lora_entry
 from miles.models.tiny_sd3.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
-from miles.rollout.sde import scheduler_schedule, sde_step
+from miles.rollout.sde import sde_step
 from miles.rollout.seeds import cpu_generator
 from miles.rollout.types import Conditions, Sample, Trajectory
 from miles.utils.offload import own_memory
@@ -119,13 +118,8 @@ class DiffusersEngine:
         return actor_placement_info(str(self.device))
 
     # ---- sampling -------------------------------------------------------------------------------
-    def _schedule(self, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        shift = self.args.diffusion_flow_shift
-        if shift is not None:
-            scheduler = type(scheduler).from_config(scheduler.config, shift=shift)
-        scheduler.set_timesteps(num_steps, device="cpu")
-        return scheduler_schedule(scheduler)
+    def _schedule(self, num_steps: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.family.schedule(self.pipe.scheduler, num_steps, shape, self.args.diffusion_flow_shift)
 
     @torch.no_grad()
     def generate(self, requests: list[GenerateRequest]) -> list[Sample]:
@@ -155,18 +149,21 @@ class DiffusersEngine:
         start = time.perf_counter()
         family, pipe = self.family, self.pipe
         m = len(req.seeds)
-        do_cfg = req.guidance_scale > 1.0
-        pos, neg = family.encode_prompts(pipe, [req.prompt], req.negative_prompt, do_cfg, self.max_sequence_length)
+        cfg_scale = family.cfg_scale(req.guidance_scale, req.true_cfg_scale)
+        do_cfg = cfg_scale > 1.0
+        pos, neg = family.encode_prompts(
+            pipe,
+            [req.prompt],
+            req.negative_prompt,
+            do_cfg,
+            self.max_sequence_length,
+            guidance=family.embedded_guidance(req.guidance_scale),
+        )
         cond_batch = {k: v.expand(m, *v.shape[1:]) for k, v in pos.items()}
-        if do_cfg:
-            assert neg is not None
-            neg_batch = {k: v.expand(m, *v.shape[1:]) for k, v in neg.items()}
-            model_cond = {k: torch.cat([neg_batch[k], cond_batch[k]]) for k in cond_batch}
-        else:
-            model_cond = cond_batch
+        neg_batch = {k: v.expand(m, *v.shape[1:]) for k, v in neg.items()} if neg is not None else None
 
-        sigmas, timesteps = self._schedule(req.num_steps)
         shape = family.latent_shape(pipe, req.height, req.width)
+        sigmas, timesteps = self._schedule(req.num_steps, shape)
         generators = [cpu_generator(seed) for seed in req.seeds]
         x = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
         record = not req.evaluation
@@ -176,13 +173,9 @@ class DiffusersEngine:
         sigma_max = sigmas[1] if sigmas.shape[0] > 1 else sigmas[0]
 
         for i in range(req.num_steps):
-            model_in = torch.cat([x, x]) if do_cfg else x
-            t = timesteps[i].expand(model_in.shape[0]).to(self.device)
-            v = family.forward_velocity(pipe.transformer, model_in.to(self.device, self.dtype), t, model_cond)
-            v = v.float().cpu()
-            if do_cfg:
-                v_neg, v_pos = v.chunk(2)
-                v = family.cfg_combine(v_pos, v_neg, req.guidance_scale)
+            t = timesteps[i].expand(m).to(self.device)
+            model_in = x.to(self.device, self.dtype)
+            v = family.guided_velocity(pipe.transformer, model_in, t, cond_batch, neg_batch, cfg_scale).cpu()
             rows = [b for b in range(m) if i in sde_sets[b]] if req.noise_level > 0 and req.sde_type != "ode" else []
             if len(rows) < m:
                 ode = sde_step(v, x, sigmas[i], sigmas[i + 1], sde_type="ode", noise_level=0.0)
@@ -218,6 +211,7 @@ class DiffusersEngine:
         elapsed = time.perf_counter() - start
         samples: list[Sample] = []
         stacked = torch.stack(latents, dim=1) if record else None
+        stored_cfg = cfg_scale if do_cfg else 1.0
         pos_rows = {k: v[0].detach().float().cpu() for k, v in pos.items()}
         neg_rows = {k: v[0].detach().float().cpu() for k, v in neg.items()} if neg is not None else None
         for b in range(m):
@@ -236,7 +230,7 @@ class DiffusersEngine:
                 req.sample(
                     b,
                     trajectory=trajectory,
-                    conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, req.guidance_scale),
+                    conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, stored_cfg),
                     image=images[b],
                     inference_time_s=elapsed / m,
                 )
