@@ -5,6 +5,7 @@ Session fixtures (built once, reused by every test directory):
   tiny_sd3_dir         tiny-sd3 built once at $MILES_HOME/models/tiny-sd3, so
                        `ensure_checkpoint("tiny-sd3")` finds it too (treat it as read-only)
   tiny_sd3_pipeline    StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir) (read-only; copy to mutate)
+  tiny_flux_dir / tiny_qwen_image_dir   the other tiny families, built once the same way (read-only)
   digit_classifier     the checkpoint's digit classifier
   digits_split         the deterministic digits train/test split
   tiny_clip            a tiny random CLIP model + processor saved offline (PickScore's shape)
@@ -69,6 +70,20 @@ def tiny_sd3_dir(miles_session_home: Path) -> Path:
     path = ensure_checkpoint("tiny-sd3", progress=False)
     assert path == miles_session_home / "models" / "tiny-sd3"
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(miles_session_home: Path) -> Path:
+    from miles.models.checkpoints import ensure_checkpoint
+
+    return ensure_checkpoint("tiny-flux", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_dir(miles_session_home: Path) -> Path:
+    from miles.models.checkpoints import ensure_checkpoint
+
+    return ensure_checkpoint("tiny-qwen-image", progress=False)
 
 
 @pytest.fixture(scope="session")

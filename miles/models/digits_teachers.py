@@ -1,4 +1,4 @@
-"""Built-in SFT checkpoints of tiny-sd3 on the digits, made on first use by the tiny recipes.
+"""Built-in SFT checkpoints of the tiny families on the digits, made on first use by the tiny recipes.
 
 `tiny-sd3-digits-sft` is the teacher (the `tiny-digits-sft` recipe's full run); the short one is an
 under-trained start for RL (`tiny-digits-grpo`), so the reward has room to rise. Each is built in
@@ -20,6 +20,15 @@ from pathlib import Path
 SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft": 1000,  # optimizer steps at batch 64
     "tiny-sd3-digits-sft-short": 525,
+    "tiny-flux-digits-sft-short": 450,
+    "tiny-qwen-image-digits-sft-short": 450,
+}
+# name -> (the SFT recipe that makes it, its base checkpoint)
+TEACHER_SOURCES: dict[str, tuple[str, str]] = {
+    "tiny-sd3-digits-sft": ("tiny-digits-sft", "tiny-sd3"),
+    "tiny-sd3-digits-sft-short": ("tiny-digits-sft", "tiny-sd3"),
+    "tiny-flux-digits-sft-short": ("tiny-flux-digits-sft", "tiny-flux"),
+    "tiny-qwen-image-digits-sft-short": ("tiny-qwen-image-digits-sft", "tiny-qwen-image"),
 }
 STAMP_FILE = "digits_teacher.json"
 # copies made before the stamp existed
@@ -62,10 +71,9 @@ def build_digits_teacher(name: str, target: Path, progress: bool = True) -> Path
     from miles.utils.atomic import atomic_write_text
 
     steps = SFT_TEACHERS[name]
+    recipe, base = TEACHER_SOURCES[name]
     args = resolve(
-        "sft",
-        recipe="tiny-digits-sft",
-        cli={"num_rollout": steps, "hf_checkpoint": "tiny-sd3", "output_dir": str(target.parent)},
+        "sft", recipe=recipe, cli={"num_rollout": steps, "hf_checkpoint": base, "output_dir": str(target.parent)}
     ).args
     data = encode_sft_dataset(args)
     owns_group = not dist.is_initialized()
@@ -83,7 +91,7 @@ def build_digits_teacher(name: str, target: Path, progress: bool = True) -> Path
                 trainer.train_sft(x0, samples)
                 bar.advance(task)
         trainer.export_pipeline(str(target))
-        stamp = {"name": name, "sft_steps": steps, "recipe": "tiny-digits-sft", "base": "tiny-sd3"}
+        stamp = {"name": name, "sft_steps": steps, "recipe": recipe, "base": base}
         atomic_write_text(target / STAMP_FILE, json.dumps(stamp, indent=2) + "\n")
     finally:
         if owns_group and dist.is_initialized():

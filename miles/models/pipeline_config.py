@@ -64,10 +64,13 @@ class TrainPipelineConfig:
           instead of a bare step count (SD3); a dynamic-shift scheduler also gets `mu` from the token count.
       latent_patch: the DiT's spatial patch (token count = h*w / patch**2 for the dynamic shift).
       sglang_model_id: the `--model-id` sglang-diffusion needs to pick its native pipeline for a local dir.
+      sglang_text_encoders: how many text encoders sglang's pipeline for this family loads.
+      sglang_dropped_conditions: `denoising_env` condition keys not kept (geometry the DiT forward rebuilds).
 
     Engine hooks (`encode_prompts`, `latent_shape`, `encode_images`, `decode_latents`) and the guided
     forward (`guided_velocity`) are what the engines, the trainer, DMD2 and SFT call; a family overrides
-    them instead of callers branching on the family.
+    them instead of callers branching on the family. The sglang adapter (`sglang_server_options`,
+    `sglang_request_fields`, `from_engine_conditions`, `from_engine_latents`) is what `--rollout-backend sglang` calls.
     """
 
     name: ClassVar[str] = "custom"
@@ -94,6 +97,9 @@ class TrainPipelineConfig:
     latent_patch: ClassVar[int] = 2
     packs_latents: ClassVar[bool] = False  # the DiT takes 2x2-packed tokens (so h, w must be even)
     sglang_model_id: ClassVar[str | None] = None
+    sglang_text_encoders: ClassVar[int] = 1  # sglang's text-encoder count (one --text-encoder-precisions each)
+    sglang_dropped_conditions: ClassVar[tuple[str, ...]] = ("freqs_cis",)  # env keys the trainer rebuilds itself
+    max_sequence_length: ClassVar[int] = 256  # the pipeline's own text length default (tiny builds store theirs)
 
     # ---- lazy class access -------------------------------------------------------------------
     def load_pipeline_class(self) -> type:
@@ -246,6 +252,46 @@ class TrainPipelineConfig:
         z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(z, return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---- sglang-diffusion adapter (`--rollout-backend sglang`; torch only when called) -----------
+    def sglang_server_options(self, precision: str, guidance_scale: float | None = None) -> dict[str, Any]:
+        """`sglang serve` options this family needs: one precision per text encoder and, under embedded
+        guidance, `--embedded-cfg-scale` (sglang reads that guidance from the server, not the request)."""
+        options: dict[str, Any] = {"text_encoder_precisions": [precision] * self.sglang_text_encoders}
+        embedded = None if guidance_scale is None else self.embedded_guidance(guidance_scale)
+        if embedded is not None:
+            options["embedded_cfg_scale"] = embedded
+        return options
+
+    def sglang_request_fields(self, guidance_scale: float, true_cfg_scale: float | None = None) -> dict[str, float]:
+        """The `/rollout/generate` fields that carry guidance. sglang runs a negative branch when
+        `true_cfg_scale` (else `guidance_scale`) is > 1, at that scale: plain CFG sends the guidance scale,
+        the other modes also send `cfg_scale(...)` as `true_cfg_scale` (1.0: one branch)."""
+        fields = {"guidance_scale": float(guidance_scale)}
+        if self.guidance_mode != "cfg":
+            fields["true_cfg_scale"] = self.cfg_scale(guidance_scale, true_cfg_scale)
+        return fields
+
+    def from_engine_conditions(
+        self, cond_kwargs: Mapping[str, Any], env: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One output's condition rows from sglang's `denoising_env` (`cond_kwargs` is its `pos_cond_kwargs`
+        or `neg_cond_kwargs`, `env` the whole env): tensors only, float32, without a batch dim of 1;
+        non-tensors (RoPE tables, shapes, lengths) and `sglang_dropped_conditions` are dropped."""
+        import torch
+
+        rows: dict[str, Any] = {}
+        for key, value in cond_kwargs.items():
+            if key in self.sglang_dropped_conditions or not isinstance(value, torch.Tensor):
+                continue
+            tensor = value.float()
+            rows[key] = tensor[0].clone() if tensor.dim() >= 2 and tensor.shape[0] == 1 else tensor.clone()
+        return rows
+
+    def from_engine_latents(self, latents: Any, height: int, width: int) -> Any:
+        """sglang's `dit_trajectory.latents` of one output -> `[T+1, *latent_shape]` in the natural layout,
+        float32 (`height` x `width` is the image size). Default: already natural."""
+        return latents.float()
 
     # ---- training-side parallelism and attention (import torch only when called) ---------------
     def enable_sequence_parallel(self, model: Any, group: Any) -> None:

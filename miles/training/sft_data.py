@@ -95,7 +95,7 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     images = np.stack([_load_image((path.parent / r["image"]).resolve(), size) for r in rows])
     pixels = torch.from_numpy(images).permute(0, 3, 1, 2) * 2 - 1
     latents = [family.encode_images(pipe, pixels[i : i + batch_size]) for i in range(0, len(pixels), batch_size)]
-    max_len = max_sequence_length(checkpoint)
+    max_len = max_sequence_length(checkpoint, default=family.max_sequence_length)
     captions = [str(r[args.input_key]) for r in rows]
     cache: dict[str, Conditions] = {}
     for caption in dict.fromkeys(captions):

@@ -21,6 +21,12 @@ EXPECTED = {
     "tiny-digits-4step",
     "tiny-digits-grpo",
     "tiny-digits-sft",
+    "tiny-flux-digits-sft",
+    "tiny-flux-digits-grpo",
+    "tiny-qwen-image-digits-sft",
+    "tiny-qwen-image-digits-grpo",
+    "qwen-image-pickscore-grpo",
+    "flux-pickscore-grpo",
 }
 
 
@@ -118,3 +124,22 @@ def test_yaml_round_trip_of_eval_with_a_training_recipe(tmp_path: Path) -> None:
     path.write_text(to_yaml_text(resolved.args))
     again = resolve(None, cli={"custom_config_path": str(path)})
     assert trainers_json(again) == trainers_json(resolved)
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "cfg"),
+    [
+        ("tiny-flux-digits-grpo", "flux", 4.0),
+        ("tiny-qwen-image-digits-grpo", "qwen_image", 4.0),
+        ("qwen-image-pickscore-grpo", "qwen_image", 4.0),
+        ("flux-pickscore-grpo", "flux", 1.0),
+    ],
+)
+def test_family_recipes_resolve_their_family_and_guidance(name: str, family: str, cfg: float) -> None:
+    """Each family recipe picks its family from the checkpoint name; the two-branch CFG scale it will run."""
+    from miles.models.families import resolve_family
+
+    args = resolve(None, recipe=name).args
+    config = resolve_family(args.hf_checkpoint, env={})
+    assert config.name == family
+    assert config.cfg_scale(args.diffusion_guidance_scale, args.diffusion_true_cfg_scale) == cfg

@@ -28,6 +28,13 @@ def test_model_family_and_pipeline_config_path_exclude_each_other() -> None:
     )
 
 
+def test_true_cfg_scale_is_refused_for_a_plain_cfg_family() -> None:
+    message = rejected(diffusion_true_cfg_scale=4.0)  # the default checkpoint is tiny-sd3
+    assert_names(message, "--diffusion-true-cfg-scale 4.0", "'sd3'", "plain CFG")
+    for checkpoint in ("tiny-flux", "tiny-qwen-image"):
+        assert run(hf_checkpoint=checkpoint, diffusion_true_cfg_scale=4.0).args.diffusion_true_cfg_scale == 4.0
+
+
 @pytest.mark.parametrize(
     ("given", "missing"),
     [

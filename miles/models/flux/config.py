@@ -75,6 +75,7 @@ class FluxTrainPipelineConfig(TrainPipelineConfig):
     cfg_batching = False  # FluxPipeline runs its true-CFG negative branch as a second forward
     guidance_mode = "embedded"
     pipeline_sigmas = True
+    max_sequence_length = 512
     packs_latents = True
     sde_timestep_divisor = 1000.0
     sglang_model_id = "FLUX.1-dev"

@@ -44,6 +44,7 @@ class QwenImageTrainPipelineConfig(TrainPipelineConfig):
     cfg_batching = False  # positive and negative text lengths differ: two forwards
     guidance_mode = "true_cfg"
     pipeline_sigmas = True
+    max_sequence_length = 512
     packs_latents = True
     trainable = True
     sglang_model_id = "Qwen-Image"

@@ -51,7 +51,7 @@ class DiffusersEngine:
         # not depend on whether an offload round trip has happened
         own_memory(m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module))
         self.pipe.set_progress_bar_config(disable=True)
-        self.max_sequence_length = max_sequence_length(self.checkpoint)
+        self.max_sequence_length = max_sequence_length(self.checkpoint, default=self.family.max_sequence_length)
         self.weight_version = 0
         self.lora_merger = LoraMerger()  # base copies for LoRA-only sync (--lora-ipc-weight-sync)
         self._guest: tuple[str, DiffusersEngine] | None = None

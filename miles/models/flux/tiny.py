@@ -1,0 +1,276 @@
+"""`build_tiny_flux(out_dir, seed)`: FLUX.1's architecture at toy size, built fully offline from a seed.
+
+The result is a normal diffusers FluxPipeline directory, plus:
+    digit_classifier/       the digit reward's classifier (see miles.rollout.rm_hub.digit)
+    miles_tiny.json         metadata: max_sequence_length, resolution, VAE stats, accuracies, timings
+The directory appears atomically (built in a temp sibling, then renamed).
+
+Components (each initialised from its own seed; torch/diffusers are imported on use only):
+  text_encoder: CLIPTextModel, hidden 32, 2 layers, 4 heads, 77 positions (FLUX uses its pooled
+      output, so pooled_projection_dim == 32); tokenizer: tiny-sd3's CLIP BPE
+  text_encoder_2: T5EncoderModel, d_model 64 (= joint_attention_dim), 2 layers, 4 heads (tiny-sd3's
+      T5, same seed offset); tokenizer_2: tiny-sd3's T5 Unigram
+  transformer: FluxTransformer2DModel, 2 double + 2 single blocks, 4 heads x 16 = 64 wide, patch 1
+      over 2x2-packed latents (4 channels x 4 = 16 in), RoPE axes (4, 6, 6), guidance embedding;
+      random (training learns it)
+  vae: tiny-sd3's AutoencoderKL (4 latent channels, 8x spatial), fitted to the 64x64 digits with
+      tiny-sd3's VAE fit (same seed -> the same VAE as tiny-sd3), latent shift/scale set
+  scheduler: FlowMatchEulerDiscreteScheduler with FLUX.1-dev's config (dynamic, exponential shift)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from miles.models.loading import quiet_loading
+from miles.models.tiny_sd3 import components as C
+from miles.models.tiny_sd3.builder import BuildReport, _Progress
+from miles.models.tiny_sd3.metadata import FORMAT_VERSION, TINY_MAX_SEQUENCE_LENGTH, TINY_METADATA_FILE
+from miles.models.tiny_sd3.vae_fit import VAE_BATCH_SIZE, VAE_LR, VAE_STEPS
+
+__all__ = ["TINY_FLUX_NAME", "BuildReport", "build_tiny_flux"]
+
+TINY_FLUX_NAME = "tiny-flux"
+SGLANG_MODEL_ID = "FLUX.1-dev"
+
+CLIP_HIDDEN = 32  # == pooled_projection_dim (FluxPipeline feeds CLIPTextModel's pooler_output)
+T5_D_MODEL = C.JOINT_ATTENTION_DIM  # 64 == joint_attention_dim
+ATTENTION_HEAD_DIM = 16
+NUM_ATTENTION_HEADS = 4
+AXES_DIMS_ROPE = (4, 6, 6)  # (text/id, row, col); must sum to ATTENTION_HEAD_DIM
+PACKED_CHANNELS = C.LATENT_CHANNELS * 4  # FluxPipeline packs 2x2 latent patches into channels
+
+# component -> offset added to the build seed (seed * 1000 + offset), so each init is independent
+# of the others' order; text_encoder_2 (3) and vae (5) use tiny-sd3's makers and offsets
+SEED_OFFSETS = {"text_encoder": 1, "transformer": 4}
+
+# FLUX.1-dev's scheduler config (resolution-dependent shift)
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+    "time_shift_type": "exponential",
+}
+
+
+class _FluxProgress(_Progress):
+    """tiny-sd3's phase progress bar, labelled tiny-flux (the phases are the same)."""
+
+    def __init__(self, enabled: bool, vae_steps: int):
+        super().__init__(enabled, vae_steps)
+        if self.bar is not None:
+            from rich.progress import TextColumn
+
+            self.bar.columns = (TextColumn(f"[bold]{TINY_FLUX_NAME}[/] {{task.description}}"), *self.bar.columns[1:])
+
+
+def _seeded(seed: int, name: str) -> None:
+    import torch
+
+    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
+
+
+def make_clip_text_encoder(seed: int, tok: dict[str, int]) -> Any:
+    """FLUX's CLIP-L stand-in: a `CLIPTextModel` (no projection; the pipeline uses its pooled output)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(
+        vocab_size=tok["clip_vocab_size"],
+        hidden_size=CLIP_HIDDEN,
+        intermediate_size=2 * CLIP_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=tok["clip_bos_id"],
+        eos_token_id=tok["clip_eos_id"],
+        pad_token_id=tok["clip_pad_id"],
+        hidden_act="quick_gelu",
+    )
+    _seeded(seed, "text_encoder")
+    return CLIPTextModel(config).eval()
+
+
+def make_transformer(seed: int) -> Any:
+    """The tiny `FluxTransformer2DModel` (random; ~0.3M params)."""
+    from diffusers import FluxTransformer2DModel
+
+    _seeded(seed, "transformer")
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=PACKED_CHANNELS,
+        out_channels=None,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=ATTENTION_HEAD_DIM,
+        num_attention_heads=NUM_ATTENTION_HEADS,
+        joint_attention_dim=T5_D_MODEL,
+        pooled_projection_dim=CLIP_HIDDEN,
+        guidance_embeds=True,
+        axes_dims_rope=AXES_DIMS_ROPE,
+    )
+
+
+def make_scheduler() -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+
+
+def build_tiny_flux(
+    out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
+) -> BuildReport:
+    """Build tiny-flux into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
+    from miles.utils.paths import atomic_directory
+
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+    with atomic_directory(out) as tmp:
+        report = _build_into(tmp, seed, progress, vae_steps)
+    report.out_dir = out
+    return report
+
+
+def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    @contextmanager
+    def phase(name: str, bar: _Progress, advance: bool = True) -> Iterator[None]:
+        bar.describe(name)
+        t0 = time.perf_counter()
+        yield
+        timings[name] = round(time.perf_counter() - t0, 3)
+        if advance:
+            bar.advance()
+
+    with _FluxProgress(progress, vae_steps) as bar:
+        with phase("tokenizers", bar):
+            import torch
+
+            from miles.models.tiny_sd3.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+
+            clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+            ids = {
+                "clip_vocab_size": len(clip_tok),
+                "clip_bos_id": clip_tok.bos_token_id,
+                "clip_eos_id": clip_tok.eos_token_id,
+                "clip_pad_id": clip_tok.pad_token_id,
+                "t5_vocab_size": len(t5_tok),
+                "t5_pad_id": t5_tok.pad_token_id,
+                "t5_eos_id": t5_tok.eos_token_id,
+            }
+        with phase("text encoders", bar):
+            te1 = make_clip_text_encoder(seed, ids)
+            te2 = C.make_t5_encoder(seed, ids)
+        with phase("transformer", bar):
+            transformer = make_transformer(seed)
+        with phase("data", bar):
+            from miles.data.digits import load_digits_split
+            from miles.models.tiny_sd3 import vae_fit
+
+            split = load_digits_split()
+            train_images = vae_fit.digits_to_vae_input(split.train_x)
+            test_images = vae_fit.digits_to_vae_input(split.test_x)
+        with phase("vae fit", bar, advance=False):
+            vae = C.make_vae(seed)
+            on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
+            vae_fit.fit_vae(vae, train_images, steps=vae_steps, seed=seed, on_step=on_step)
+        with phase("vae stats", bar):
+            shift, scale = vae_fit.set_latent_normalization(vae, train_images)
+            recon = vae_fit.reconstruct(vae, test_images)
+            vae_mse = float(torch.nn.functional.mse_loss(recon, test_images))
+        with phase("classifier", bar):
+            from miles.rollout.rm_hub import digit
+
+            clf, clf_meta = digit.fit_digit_classifier()
+            recon_acc = float(
+                (clf.predict(digit.digits_to_features(digit.images_to_digits(recon, "-1,1"))) == split.test_y).mean()
+            )
+            clf_meta["vae_reconstruction_accuracy"] = recon_acc
+            digit.save_digit_classifier(clf, clf_meta, tmp / digit.CLASSIFIER_DIRNAME)
+        with phase("save", bar):
+            from diffusers import FluxPipeline
+
+            pipe = FluxPipeline(
+                transformer=transformer,
+                scheduler=make_scheduler(),
+                vae=vae,
+                text_encoder=te1,
+                tokenizer=clip_tok,
+                text_encoder_2=te2,
+                tokenizer_2=t5_tok,
+            )
+            with quiet_loading():
+                pipe.save_pretrained(tmp)
+        params = {
+            "transformer": C.count_params(transformer),
+            "vae": C.count_params(vae),
+            "text_encoder": C.count_params(te1),
+            "text_encoder_2": C.count_params(te2),
+        }
+        report = BuildReport(
+            out_dir=tmp,
+            seconds=round(time.perf_counter() - start, 3),
+            phase_seconds=timings,
+            classifier_test_accuracy=clf_meta["test_accuracy"],
+            vae_test_mse=vae_mse,
+            vae_recon_accuracy=recon_acc,
+            params=params,
+        )
+        _write_metadata(tmp, seed, vae_steps, shift, scale, report)
+        bar.describe("done")
+    return report
+
+
+def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: float, report: BuildReport) -> None:
+    import diffusers
+    import sklearn
+    import torch
+    import transformers
+
+    from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
+    from miles.models.tiny_sd3.tokenizers import CLIP_MAX_LENGTH
+
+    meta = {
+        "name": TINY_FLUX_NAME,
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "resolution": C.IMAGE_SIZE,
+        "latent_size": C.LATENT_SIZE,
+        "latent_channels": C.LATENT_CHANNELS,
+        "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH,
+        "clip_max_length": CLIP_MAX_LENGTH,
+        "prompt_template": PROMPT_TEMPLATE,
+        "data": {"name": "digits", "split_seed": SPLIT_SEED},
+        "sglang_model_id": SGLANG_MODEL_ID,
+        "vae": {
+            "shift_factor": shift,
+            "scaling_factor": scale,
+            "fit_steps": vae_steps,
+            "batch_size": VAE_BATCH_SIZE,
+            "lr": VAE_LR,
+            "test_mse": round(report.vae_test_mse, 6),
+            "test_reconstruction_accuracy": report.vae_recon_accuracy,
+        },
+        "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
+        "params": report.params,
+        "build_seconds": report.seconds,
+        "phase_seconds": report.phase_seconds,
+        "versions": {
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__,
+            "scikit-learn": sklearn.__version__,
+        },
+    }
+    (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
