@@ -10,7 +10,9 @@ import typer
 
 from miles.config.errors import ConfigError
 
-app = typer.Typer(help="Build the embedded models (tiny-sd3, tiny-flux, tiny-qwen-image) offline.", no_args_is_help=True)
+app = typer.Typer(
+    help="Build the embedded models (tiny-sd3, tiny-flux, tiny-qwen-image) offline.", no_args_is_help=True
+)
 
 
 @app.callback()
