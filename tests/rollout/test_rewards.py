@@ -61,7 +61,7 @@ def sample(index: int, prompt: str, image, **metadata) -> Sample:
 @pytest.fixture(scope="module")
 def digit_ckpt(tmp_path_factory):
     """A checkpoint-like folder holding only `digit_classifier/` (fitted on the digits train split)."""
-    from miles.rollout.rm_hub.digit import CLASSIFIER_DIRNAME, fit_digit_classifier, save_digit_classifier
+    from miles.models.digit_classifier import CLASSIFIER_DIRNAME, fit_digit_classifier, save_digit_classifier
 
     root = tmp_path_factory.mktemp("digit_ckpt")
     save_digit_classifier(*fit_digit_classifier(), root / CLASSIFIER_DIRNAME)

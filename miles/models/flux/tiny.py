@@ -1,7 +1,7 @@
 """`build_tiny_flux(out_dir, seed)`: FLUX.1's architecture at toy size, built fully offline from a seed.
 
 The result is a normal diffusers FluxPipeline directory, plus:
-    digit_classifier/       the digit reward's classifier (see miles.rollout.rm_hub.digit)
+    digit_classifier/       the digit reward's classifier (see miles.models.digit_classifier)
     miles_tiny.json         metadata: max_sequence_length, resolution, VAE stats, accuracies, timings
 The directory appears atomically (built in a temp sibling, then renamed).
 
@@ -190,7 +190,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             recon = vae_fit.reconstruct(vae, test_images)
             vae_mse = float(torch.nn.functional.mse_loss(recon, test_images))
         with phase("classifier", bar):
-            from miles.rollout.rm_hub import digit
+            from miles.models import digit_classifier as digit
 
             clf, clf_meta = digit.fit_digit_classifier()
             recon_acc = float(

@@ -2,7 +2,7 @@
 
 The result is a normal diffusers StableDiffusion3Pipeline directory (three text encoders, so
 sglang-diffusion's native SD3 pipeline can serve it too), plus:
-    digit_classifier/       the digit reward's classifier (see miles.rollout.rm_hub.digit)
+    digit_classifier/       the digit reward's classifier (see miles.models.digit_classifier)
     miles_tiny_sd3.json     metadata: max_sequence_length, resolution, VAE stats, accuracies, timings
 The directory appears atomically (built in a temp sibling, then renamed).
 """
@@ -139,7 +139,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             recon = vae_fit.reconstruct(vae, test_images)
             vae_mse = float(torch.nn.functional.mse_loss(recon, test_images))
         with phase("classifier", bar):
-            from miles.rollout.rm_hub import digit
+            from miles.models import digit_classifier as digit
 
             clf, clf_meta = digit.fit_digit_classifier()
             recon_acc = float(

@@ -1,161 +1,31 @@
-"""The digit reward: a small classifier's probability that a generated image shows `metadata.label`.
-
-The classifier (an RBF SVC, temperature-calibrated, from scikit-learn) is fitted at tiny-sd3 build
-time on the digits train split and stored in the checkpoint, `<ckpt>/digit_classifier/`:
-    classifier.pkl    the pickled estimator (trusted: written by miles' own builder)
-    classifier.json   metadata: test accuracy, split, feature spec, sklearn version
-Its input is the 8x8 digit in [0, 1] (white ink on black), flattened to 64 features. Any image is
-brought there the way the data was made, in reverse: to gray (mean of RGB), to [0, 1], then
-adaptive average pooling to 8x8 (exact block means for 64x64, which undoes the upsampling).
-
-Images: PIL images, or float tensors/arrays in [0, 1] or [-1, 1] (`value_range="auto"` picks [-1, 1]
-when any value is below -0.05), or uint8 arrays; shapes (N,C,H,W), (N,H,W,C), (C,H,W), (H,W,C),
-(H,W), or a list of those; any size. A 3-D array whose first dim is 1, 3 or 4 is one CHW image.
-"""
+"""The digit reward: the checkpoint's digit classifier's probability that a generated image shows
+`metadata.label` (the classifier and its image handling: `miles.models.digit_classifier`)."""
 
 from __future__ import annotations
 
-import functools
-import json
-import pickle
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from miles.data.digits import DIGIT_SIZE, downsample_to_digits, load_digits_split
+from miles.models.digit_classifier import (
+    CLASSIFIER_DIRNAME,
+    _classifier,
+    digits_to_features,
+    images_to_digits,
+    load_digit_classifier,
+    read_classifier_metadata,
+)
 
-CLASSIFIER_DIRNAME = "digit_classifier"
-CLASSIFIER_FILE = "classifier.pkl"
-METADATA_FILE = "classifier.json"
-_CHANNELS = (1, 3, 4)
-
-
-# ---- images -> 8x8 digits ----------------------------------------------------------------------
-def _to_numpy(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch.Tensor, without importing torch
-        x = x.detach().float().cpu().numpy()
-    return np.asarray(x)
-
-
-def _as_nhwc(arr: np.ndarray) -> np.ndarray:
-    if arr.ndim == 2:
-        return arr[None, :, :, None]
-    if arr.ndim == 3:
-        if arr.shape[0] in _CHANNELS:
-            return arr.transpose(1, 2, 0)[None]
-        if arr.shape[-1] in _CHANNELS:
-            return arr[None]
-        return arr[..., None]  # (N, H, W) gray batch
-    if arr.ndim == 4:
-        return arr.transpose(0, 2, 3, 1) if arr.shape[1] in _CHANNELS else arr
-    raise ValueError(f"cannot read images of shape {arr.shape}")
-
-
-def _gray(nhwc: np.ndarray) -> np.ndarray:
-    channels = nhwc.shape[-1]
-    if channels == 4:
-        nhwc = nhwc[..., :3]
-    return nhwc.mean(axis=-1) if channels > 1 else nhwc[..., 0]
-
-
-def images_to_digits(images: Any, value_range: str = "auto") -> np.ndarray:
-    """Images (see the module docstring) -> (N, 8, 8) float32 in [0, 1]."""
-    if value_range not in ("auto", "0,1", "-1,1"):
-        raise ValueError(f"value_range must be 'auto', '0,1' or '-1,1', got {value_range!r}")
-    items = list(images) if isinstance(images, (list, tuple)) else [images]
-    arrays = []
-    for item in items:
-        if hasattr(item, "convert") and hasattr(item, "size"):  # PIL.Image
-            arrays.append(np.asarray(item.convert("RGB"), dtype=np.uint8)[None])
-        else:
-            arrays.append(_as_nhwc(_to_numpy(item)))
-    floats = [a for a in arrays if a.dtype != np.uint8]
-    lo = min((float(a.min()) for a in floats if a.size), default=0.0)
-    signed = value_range == "-1,1" or (value_range == "auto" and lo < -0.05)
-    out = []
-    for a in arrays:
-        if a.dtype == np.uint8:
-            gray = _gray(a.astype(np.float32) / 255.0)
-        else:
-            gray = _gray(a.astype(np.float32))
-            gray = (gray + 1.0) / 2.0 if signed else gray
-        out.append(downsample_to_digits(np.clip(gray, 0.0, 1.0)))
-    if not out:
-        return np.zeros((0, DIGIT_SIZE, DIGIT_SIZE), dtype=np.float32)
-    return np.concatenate(out, axis=0)
-
-
-def digits_to_features(x8: np.ndarray) -> np.ndarray:
-    return np.asarray(x8, dtype=np.float64).reshape(len(x8), DIGIT_SIZE * DIGIT_SIZE)
-
-
-# ---- the classifier ----------------------------------------------------------------------------
-def fit_digit_classifier(seed: int = 0) -> tuple[Any, dict[str, Any]]:
-    """Fit the classifier on the digits train split; return it and its metadata (with test accuracy)."""
-    import sklearn
-    from sklearn.calibration import CalibratedClassifierCV
-    from sklearn.svm import SVC
-
-    split = load_digits_split(seed)
-    clf = CalibratedClassifierCV(SVC(C=5.0, gamma="scale"), method="temperature", ensemble=False, cv=5)
-    clf.fit(digits_to_features(split.train_x), split.train_y)
-    pred = clf.predict(digits_to_features(split.test_x))
-    meta = {
-        "kind": "CalibratedClassifierCV(SVC(C=5, gamma='scale', rbf), method='temperature')",
-        "test_accuracy": float((pred == split.test_y).mean()),
-        "num_train": len(split.train_y),
-        "num_test": len(split.test_y),
-        "split_seed": seed,
-        "classes": [int(c) for c in clf.classes_],
-        "features": "8x8 gray digit in [0,1], white ink on black, row-major (64 values)",
-        "sklearn_version": sklearn.__version__,
-    }
-    return clf, meta
-
-
-def save_digit_classifier(classifier: Any, metadata: dict[str, Any], out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / CLASSIFIER_FILE, "wb") as f:
-        pickle.dump(classifier, f, protocol=4)
-    (out / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-def classifier_dir(path: str | Path | None = None) -> Path:
-    """The classifier folder for a checkpoint dir, a classifier dir, or (None) the default tiny-sd3."""
-    if path is None:
-        from miles.models.checkpoints import ensure_checkpoint
-
-        path = ensure_checkpoint("tiny-sd3")
-    path = Path(path)
-    return path if (path / CLASSIFIER_FILE).exists() else path / CLASSIFIER_DIRNAME
-
-
-def read_classifier_metadata(path: str | Path | None = None) -> dict[str, Any]:
-    return json.loads((classifier_dir(path) / METADATA_FILE).read_text())
-
-
-@functools.lru_cache(maxsize=8)
-def _load_cached(resolved: str) -> Any:
-    with open(Path(resolved) / CLASSIFIER_FILE, "rb") as f:
-        return pickle.load(f)
-
-
-def load_digit_classifier(path: str | Path | None = None) -> Any:
-    """Load (and cache) the digit classifier of a checkpoint (default: tiny-sd3, built on first use)."""
-    folder = classifier_dir(path)
-    if not (folder / CLASSIFIER_FILE).exists():
-        raise FileNotFoundError(f"no digit classifier at {folder} (build it with `miles models build tiny-sd3`)")
-    return _load_cached(str(folder.resolve()))
-
-
-def _classifier(classifier: Any) -> Any:
-    if classifier is None or isinstance(classifier, (str, Path)):
-        return load_digit_classifier(classifier)
-    return classifier
+__all__ = [
+    "CLASSIFIER_DIRNAME",
+    "digit_probabilities",
+    "digit_reward",
+    "digits_to_features",
+    "images_to_digits",
+    "load_digit_classifier",
+    "read_classifier_metadata",
+]
 
 
 # ---- rewards -----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from miles.data.digits import load_digits_split
-from miles.rollout.rm_hub.digit import _classifier, digits_to_features, images_to_digits
+from miles.models.digit_classifier import _classifier, digits_to_features, images_to_digits
 
 _LOG_FLOOR = 1e-6
 
