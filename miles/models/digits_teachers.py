@@ -20,8 +20,8 @@ from pathlib import Path
 SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft": 1000,  # optimizer steps at batch 64
     "tiny-sd3-digits-sft-short": 525,
-    "tiny-flux-digits-sft-short": 450,
-    "tiny-qwen-image-digits-sft-short": 450,
+    "tiny-flux-digits-sft-short": 100,  # digit reward 0.33, where its SFT curve turns steep (0.75 at 125)
+    "tiny-qwen-image-digits-sft-short": 150,  # digit reward 0.35 (0.21 at 100, 0.48 at 200)
 }
 # name -> (the SFT recipe that makes it, its base checkpoint)
 TEACHER_SOURCES: dict[str, tuple[str, str]] = {

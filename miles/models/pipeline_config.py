@@ -66,11 +66,14 @@ class TrainPipelineConfig:
       sglang_model_id: the `--model-id` sglang-diffusion needs to pick its native pipeline for a local dir.
       sglang_text_encoders: how many text encoders sglang's pipeline for this family loads.
       sglang_dropped_conditions: `denoising_env` condition keys not kept (geometry the DiT forward rebuilds).
+      sglang_fused_modules: modules sglang's port of the DiT fuses: fused suffix -> member suffixes, whose
+          tensors it holds concatenated along dim 0 in that order (what its weight checker compares).
 
     Engine hooks (`encode_prompts`, `latent_shape`, `encode_images`, `decode_latents`) and the guided
     forward (`guided_velocity`) are what the engines, the trainer, DMD2 and SFT call; a family overrides
     them instead of callers branching on the family. The sglang adapter (`sglang_server_options`,
-    `sglang_request_fields`, `from_engine_conditions`, `from_engine_latents`) is what `--rollout-backend sglang` calls.
+    `sglang_request_fields`, `sglang_sampling_params`, `from_engine_conditions`, `from_engine_latents`,
+    `from_engine_image`, `to_engine_tensors`) is what `--rollout-backend sglang` calls.
     """
 
     name: ClassVar[str] = "custom"
@@ -99,6 +102,8 @@ class TrainPipelineConfig:
     sglang_model_id: ClassVar[str | None] = None
     sglang_text_encoders: ClassVar[int] = 1  # sglang's text-encoder count (one --text-encoder-precisions each)
     sglang_dropped_conditions: ClassVar[tuple[str, ...]] = ("freqs_cis",)  # env keys the trainer rebuilds itself
+    sglang_fused_modules: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
+    sglang_cpu_blocker: ClassVar[str] = ""  # why sglang cannot serve this family on CPU ("" = it can)
     max_sequence_length: ClassVar[int] = 256  # the pipeline's own text length default (tiny builds store theirs)
 
     # ---- lazy class access -------------------------------------------------------------------
@@ -272,21 +277,66 @@ class TrainPipelineConfig:
             fields["true_cfg_scale"] = self.cfg_scale(guidance_scale, true_cfg_scale)
         return fields
 
+    def engine_module(self, module: str) -> tuple[str, list[str]]:
+        """(the name sglang's port of the DiT gives module `module`, the modules whose tensors make it up):
+        a member of a fused module maps to the fused one and its members, any other module to itself."""
+        for fused, members in self.sglang_fused_modules.items():
+            for member in members:
+                if module == member or module.endswith("." + member):
+                    prefix = module[: len(module) - len(member)]
+                    return prefix + fused, [prefix + m for m in members]
+        return module, [module]
+
+    def to_engine_tensors(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """Named DiT tensors -> the names and tensors sglang's port holds (its weight checker's view): the
+        members of a fused module concatenated along dim 0 under the fused name; a fused module must come
+        with all its members."""
+        import torch
+
+        out: dict[str, Any] = {}
+        groups: dict[str, list[str]] = {}
+        for name, tensor in tensors.items():
+            module, _, leaf = name.rpartition(".")
+            engine, members = self.engine_module(module)
+            if members == [module]:
+                out[name] = tensor
+            else:
+                groups[f"{engine}.{leaf}"] = [f"{m}.{leaf}" for m in members]
+        for name, parts in groups.items():
+            missing = [p for p in parts if p not in tensors]
+            if missing:
+                raise ValueError(f"{name} (fused by sglang) needs {missing} too")
+            out[name] = torch.cat([tensors[p] for p in parts])
+        return out
+
+    def sglang_sampling_params(self, max_sequence_length: int) -> dict[str, Any]:
+        """A request's `extra_sampling_params` that make sglang encode text the way this family's diffusers
+        pipeline does at `max_sequence_length` (the checkpoint's). Default: none (sglang's own lengths)."""
+        return {}
+
     def from_engine_conditions(
         self, cond_kwargs: Mapping[str, Any], env: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
         """One output's condition rows from sglang's `denoising_env` (`cond_kwargs` is its `pos_cond_kwargs`
-        or `neg_cond_kwargs`, `env` the whole env): tensors only, float32, without a batch dim of 1;
+        or `neg_cond_kwargs`, `env` the whole env): tensors only, float32, without a batch dim of 1; a
+        one-tensor list is that tensor (sglang passes some pipelines' embeds per text encoder); other
         non-tensors (RoPE tables, shapes, lengths) and `sglang_dropped_conditions` are dropped."""
         import torch
 
         rows: dict[str, Any] = {}
         for key, value in cond_kwargs.items():
+            if isinstance(value, (list, tuple)) and len(value) == 1:
+                value = value[0]
             if key in self.sglang_dropped_conditions or not isinstance(value, torch.Tensor):
                 continue
             tensor = value.float()
             rows[key] = tensor[0].clone() if tensor.dim() >= 2 and tensor.shape[0] == 1 else tensor.clone()
         return rows
+
+    def from_engine_image(self, image: Any) -> Any:
+        """sglang's `generated_output` of one output -> what `decode_latents` gives for one sample (`[3, H, W]`
+        in [0, 1]), float32. Default: already that."""
+        return image.float()
 
     def from_engine_latents(self, latents: Any, height: int, width: int) -> Any:
         """sglang's `dit_trajectory.latents` of one output -> `[T+1, *latent_shape]` in the natural layout,

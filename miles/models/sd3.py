@@ -40,6 +40,7 @@ class SD3TrainPipelineConfig(TrainPipelineConfig):
     input_dtype_policy = MappingProxyType({"latents": "default", "cond": "default", "timestep": None})
 
     sglang_model_id = "stable-diffusion-3-medium-diffusers"
+    sglang_text_encoders = 3  # CLIP-L, CLIP-G, T5
 
     # ---- engine hooks: prompt encoding (imports torch only when called); the VAE side is the base's ----
     def encode_prompts(

@@ -31,6 +31,8 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
         if res.explicit("use_miles_router"):
             res.fail(f"{res.show('use_miles_router')}: sglang engines are reached through the miles router")
         res.derive("use_miles_router", True)
+    if not gpus_present():
+        _check_family_serves_on_cpu(res)
     if res["offload_rollout"] and not gpus_present():
         why = (
             "sglang releases an engine's GPU memory through /release_memory_occupation, which needs CUDA (a CPU "
@@ -41,6 +43,24 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
                 res.fail(f"{res.show(dest)}: {why}")
         res.derive("offload_rollout", False)
         res.warn(f"--offload-rollout is off: {why}; the sglang engines keep their (CPU) weights between phases")
+
+
+def _check_family_serves_on_cpu(res: Resolution) -> None:
+    """A family whose sglang pipeline needs kernels its CPU build lacks is refused on a machine without GPUs."""
+    from miles.config.errors import ConfigError
+    from miles.models.families import resolve_family
+
+    if res["train_pipeline_config_path"] is not None:
+        return
+    try:
+        family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
+    except ConfigError:
+        return  # the model rules name the problem
+    if family.sglang_cpu_blocker:
+        res.fail(
+            f"{res.show('rollout_backend')}: sglang cannot serve model family {family.name!r} on this machine without "
+            f"a GPU ({family.sglang_cpu_blocker}); use --rollout-backend diffusers here"
+        )
 
 
 RULES = (resolve_backend,)

@@ -51,6 +51,21 @@ def unpack_latents(tokens: Any, height: int, width: int) -> Any:
     return x.reshape(b, d // 4, height, width)
 
 
+def unpack_engine_latents(latents: Any, height: int, width: int) -> Any:
+    """sglang's packed trajectory `[T+1, (h/2)(w/2), 4C]` of an image `height` x `width` -> `[T+1, C, h, w]`.
+
+    sglang packs a latent grid of `2 * (H // 2f)` x `2 * (W // 2f)` for its VAE factor f; f is the one
+    whose grid has the trajectory's token count (latents that are not 3-d are returned as they are)."""
+    if latents.dim() != 3:
+        return latents.float()
+    tokens = int(latents.shape[1])
+    for factor in range(1, 65):
+        h, w = 2 * (height // (2 * factor)), 2 * (width // (2 * factor))
+        if h and w and (h // 2) * (w // 2) == tokens:
+            return unpack_latents(latents.float(), h, w)
+    raise ValueError(f"engine latents {tuple(latents.shape)} fit no 2x2-packed grid of a {height}x{width} image")
+
+
 def latent_image_ids(h: int, w: int, device: Any, dtype: Any) -> Any:
     """RoPE positions of the packed image tokens: [(h/2)(w/2), 3] = (0, row, col)."""
     import torch
@@ -79,6 +94,7 @@ class FluxTrainPipelineConfig(TrainPipelineConfig):
     packs_latents = True
     sde_timestep_divisor = 1000.0
     sglang_model_id = "FLUX.1-dev"
+    sglang_text_encoders = 2  # CLIP-L (pooled), T5
 
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.transformer.config.in_channels) // 4
@@ -129,3 +145,22 @@ class FluxTrainPipelineConfig(TrainPipelineConfig):
             return_dict=False,
         )[0]
         return unpack_latents(out, h, w)
+
+    # ---- sglang adapter --------------------------------------------------------------------------
+    def sglang_sampling_params(self, max_sequence_length: int) -> dict[str, Any]:
+        """T5 at the checkpoint's length, as `FluxPipeline` pads it (sglang pads to 512 otherwise; it keeps
+        CLIP at its fixed 77 tokens whatever the request says)."""
+        return {"max_sequence_length": int(max_sequence_length)}
+
+    def from_engine_conditions(self, cond_kwargs: Any, env: Any = None) -> dict[str, Any]:
+        """The T5 tokens and pooled CLIP of the env, plus `guidance` from `env["guidance"]`: sglang builds it
+        from the server's `--embedded-cfg-scale` times 1000 (its DiT takes it pre-scaled, diffusers' scales it
+        inside), so it is divided back to the value `encode_prompts` stores, a 0-d float32."""
+        rows = super().from_engine_conditions(cond_kwargs, env)
+        guidance = (env or {}).get("guidance")
+        if guidance is not None:
+            rows["guidance"] = guidance.float().reshape(-1)[0] / 1000.0
+        return rows
+
+    def from_engine_latents(self, latents: Any, height: int, width: int) -> Any:
+        return unpack_engine_latents(latents, height, width)

@@ -13,10 +13,11 @@ Torch-free at import. What differs from SD3, all inside this config:
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from miles.models.families import register_train_pipeline_config
-from miles.models.flux.config import pack_latents, unpack_latents
+from miles.models.flux.config import pack_latents, unpack_engine_latents, unpack_latents
 from miles.models.pipeline_config import TrainPipelineConfig
 
 _ATTN = ("to_q", "to_k", "to_v", "to_out.0")
@@ -48,6 +49,14 @@ class QwenImageTrainPipelineConfig(TrainPipelineConfig):
     packs_latents = True
     trainable = True
     sglang_model_id = "Qwen-Image"
+    # measured with sglang 0.5.23: its Qwen-Image norm layers call sgl_kernel's fused CPU ops, which the
+    # CPU build does not ship (no torch fallback); on GPUs the CUDA path runs
+    sglang_cpu_blocker = "its Qwen-Image layers call sgl_kernel's fused norm CPU ops, absent from sglang's CPU build"
+    sglang_text_encoders = 1  # Qwen2.5-VL
+    # sglang packs the text stream's q/k/v projections into one GEMM (unquantized weights)
+    sglang_fused_modules = MappingProxyType(
+        {"attn.to_added_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+    )
 
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.vae.config.z_dim)
@@ -118,6 +127,28 @@ class QwenImageTrainPipelineConfig(TrainPipelineConfig):
         combined = combined * (pos_tokens.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
         return unpack_latents(combined, h, w)
 
+    # ---- sglang adapter --------------------------------------------------------------------------
+    def from_engine_conditions(self, cond_kwargs: Any, env: Any = None) -> dict[str, Any]:
+        """Text states and a materialised mask: sglang sends `encoder_hidden_states_mask` only when a batch's
+        prompts differ in length (None otherwise), with `txt_seq_lens`; a missing mask is built from those
+        lengths (`position < length`), all ones when they cover every row."""
+        import torch
+
+        rows = super().from_engine_conditions(cond_kwargs, env)
+        if "encoder_hidden_states_mask" not in rows:
+            length = int(rows["encoder_hidden_states"].shape[0])
+            lens = {int(v) for v in _flatten(cond_kwargs.get("txt_seq_lens"))}
+            valid = min(lens.pop(), length) if len(lens) == 1 else length
+            rows["encoder_hidden_states_mask"] = (torch.arange(length) < valid).float()
+        return rows
+
+    def from_engine_latents(self, latents: Any, height: int, width: int) -> Any:
+        return unpack_engine_latents(latents, height, width)
+
+    def from_engine_image(self, image: Any) -> Any:
+        """sglang decodes with the video VAE and keeps its frame axis (`[3, 1, H, W]`): dropped here."""
+        return (image[:, 0] if image.dim() == 4 and image.shape[1] == 1 else image).float()
+
     # ---- VAE: a causal video VAE used on one frame, normalised per channel ------------------------
     def _stats(self, vae: Any, like: Any) -> tuple[Any, Any]:
         import torch
@@ -139,3 +170,14 @@ class QwenImageTrainPipelineConfig(TrainPipelineConfig):
         mean, std = self._stats(vae, z)
         image = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+def _flatten(value: Any) -> list[Any]:
+    """The scalars of a (nested) list, tuple or tensor; [] for None."""
+    if value is None:
+        return []
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flatten(v)]
+    return [value]

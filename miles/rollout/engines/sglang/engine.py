@@ -15,7 +15,8 @@ from typing import Any
 
 import requests
 
-from miles.rollout.engines.sglang.server import NATIVE_MODEL_IDS, ServerSpec, SglangServer
+from miles.rollout.engines.sglang.protocol import engine_family
+from miles.rollout.engines.sglang.server import ServerSpec, SglangServer, server_precision
 
 
 class EngineRequestError(RuntimeError):
@@ -34,12 +35,15 @@ class SglangEngine:
         self.index = index
         self.name = f"engine {index}"
         env = _engine_env(args, gpu_ids)
+        family = engine_family(args)
+        precision = server_precision(args.diffusion_forward_dtype)
         self.spec = ServerSpec(
             python=python,
             model_path=model_path,
             host=args.rollout_engine_host,
-            model_id=_model_id(args),
+            model_id=None if (args.sglang_args or {}).get("model_id") else family.sglang_model_id,
             precision=args.diffusion_forward_dtype,
+            family_options=family.sglang_server_options(precision, float(args.diffusion_guidance_scale)),
             num_gpus=int(args.rollout_num_gpus_per_engine),
             warmup=(int(args.diffusion_width), int(args.diffusion_height)),
             passthrough=dict(args.sglang_args or {}),
@@ -189,20 +193,6 @@ class SglangEngine:
         )
         resp.raise_for_status()
         return str(resp.json().get("transformer"))
-
-
-def _model_id(args: Any) -> str | None:
-    if (args.sglang_args or {}).get("model_id"):
-        return None  # the passthrough sets it
-    from miles.models.families import resolve_family
-
-    family = resolve_family(
-        args.hf_checkpoint,
-        family=args.diffusion_model_family,
-        config_path=args.train_pipeline_config_path,
-        require_trainable=False,
-    )
-    return NATIVE_MODEL_IDS.get(family.name)
 
 
 def _engine_env(args: Any, gpu_ids: list[int] | None = None) -> dict[str, str]:

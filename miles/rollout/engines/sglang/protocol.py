@@ -8,12 +8,17 @@ The response is msgpack: a list with one entry per output, every tensor encoded 
 `{"__tensor__": true, "data": <safetensors bytes of {"t": tensor}>, ...}`. `samples_from_outputs`
 turns it into the same `Sample`/`Trajectory`/`Conditions` the diffusers engine returns:
 
-    dit_trajectory.latents   [T+1, C, h, w]  x_0 .. x_T        -> Trajectory.latents
+    dit_trajectory.latents   [T+1, ...]  x_0 .. x_T             -> Trajectory.latents (`from_engine_latents`)
     dit_trajectory.timesteps [T+1] (ends in 0)                  -> Trajectory.timesteps[:T]
     dit_trajectory.sigmas    [T+1] (ends in 0)                  -> Trajectory.sigmas
     rollout_log_probs        [T], per-step mean over elements   -> Trajectory.log_probs at the SDE steps
-    denoising_env.pos/neg_cond_kwargs                           -> Conditions.positive / negative
-    generated_output         [3, H, W] in [0, 1]                -> Sample.image
+    denoising_env.pos/neg_cond_kwargs (+ guidance)              -> Conditions.positive / negative
+                                                                   (`from_engine_conditions`)
+    generated_output         [3, H, W] in [0, 1]                -> Sample.image (`from_engine_image`)
+
+What differs per model family goes through its `TrainPipelineConfig` (`family`; None: the base adapter,
+which is SD3's): the guidance fields of the request (`sglang_request_fields`), the latent layout sglang
+returns (flux and qwen_image send 2x2-packed tokens) and the condition tensors it keeps.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from miles.rollout.engines.base import GenerateRequest
 
 if TYPE_CHECKING:
+    from miles.models.pipeline_config import TrainPipelineConfig
     from miles.rollout.types import Sample
 
 GENERATE_PATH = "/rollout/generate"
@@ -52,8 +58,33 @@ def server_requests(req: GenerateRequest) -> list[GenerateRequest]:
     ]
 
 
-def rollout_payload(req: GenerateRequest, generator_device: str = "cpu") -> dict[str, Any]:
-    """The JSON body of one `POST /rollout/generate` (`req` must already be one server request)."""
+def engine_family(args: Any) -> TrainPipelineConfig:
+    """The model family of a job's checkpoint (`--diffusion-model-family`, else from the checkpoint name)."""
+    from miles.models.families import resolve_family
+
+    return resolve_family(
+        args.hf_checkpoint,
+        family=args.diffusion_model_family,
+        config_path=args.train_pipeline_config_path,
+        require_trainable=False,
+    )
+
+
+def _adapter(family: TrainPipelineConfig | None) -> TrainPipelineConfig:
+    from miles.models.pipeline_config import TrainPipelineConfig
+
+    return family if family is not None else TrainPipelineConfig()
+
+
+def rollout_payload(
+    req: GenerateRequest,
+    generator_device: str = "cpu",
+    family: TrainPipelineConfig | None = None,
+    max_sequence_length: int | None = None,
+) -> dict[str, Any]:
+    """The JSON body of one `POST /rollout/generate` (`req` must already be one server request);
+    `max_sequence_length` is the checkpoint's text length, for families that send it."""
+    adapter = _adapter(family)
     payload: dict[str, Any] = {
         "prompt": req.prompt,
         "negative_prompt": req.negative_prompt if req.negative_prompt is not None else " ",
@@ -63,10 +94,13 @@ def rollout_payload(req: GenerateRequest, generator_device: str = "cpu") -> dict
         "height": int(req.height),
         "num_inference_steps": int(req.num_steps),
         "num_outputs_per_prompt": len(req.seeds),
-        "guidance_scale": float(req.guidance_scale),
+        **adapter.sglang_request_fields(req.guidance_scale, req.true_cfg_scale),
         "rollout": not req.evaluation,
         "suppress_logs": True,
     }
+    extra = adapter.sglang_sampling_params(max_sequence_length) if max_sequence_length is not None else {}
+    if extra:
+        payload["extra_sampling_params"] = extra
     if req.evaluation:
         return payload
     steps = req.sde_steps[0]
@@ -106,22 +140,26 @@ def decode_body(body: bytes) -> list[dict[str, Any]]:
     return outputs
 
 
-def samples_from_outputs(req: GenerateRequest, outputs: list[dict[str, Any]]) -> list[Sample]:
+def samples_from_outputs(
+    req: GenerateRequest, outputs: list[dict[str, Any]], family: TrainPipelineConfig | None = None
+) -> list[Sample]:
     """The completed samples of one server request, in seed order."""
     from miles.rollout.types import Conditions, Trajectory
 
+    adapter = _adapter(family)
+    cfg_scale = adapter.cfg_scale(req.guidance_scale, req.true_cfg_scale)
     m = len(req.seeds)
     if len(outputs) != m:
         raise ValueError(f"engine returned {len(outputs)} outputs for {m} seeds (prompt {req.prompt!r})")
     samples: list[Sample] = []
     for b, out in enumerate(outputs):
-        image = out["generated_output"].float()
+        image = adapter.from_engine_image(out["generated_output"])
         elapsed = float(out.get("inference_time_s") or 0.0) / m
         if req.evaluation:
             samples.append(req.sample(b, trajectory=None, conditions=None, image=image, inference_time_s=elapsed))
             continue
         dit = out["dit_trajectory"]
-        latents = dit["latents"].float()
+        latents = adapter.from_engine_latents(dit["latents"], req.height, req.width)
         num_steps = latents.shape[0] - 1
         steps = sorted(req.sde_steps[b]) if req.sde_type != "ode" and req.noise_level > 0 else []
         all_log_probs = out.get("rollout_log_probs")
@@ -138,13 +176,13 @@ def samples_from_outputs(req: GenerateRequest, outputs: list[dict[str, Any]]) ->
             noise_level=req.noise_level,
         )
         env = out.get("denoising_env") or {}
-        positive = _cond_rows(env.get("pos_cond_kwargs"))
-        negative = _cond_rows(env.get("neg_cond_kwargs")) if req.guidance_scale > 1.0 else None
+        positive = _cond_rows(adapter, env, "pos_cond_kwargs")
+        negative = _cond_rows(adapter, env, "neg_cond_kwargs") if cfg_scale > 1.0 else None
         samples.append(
             req.sample(
                 b,
                 trajectory=trajectory,
-                conditions=Conditions(positive, negative, req.guidance_scale),
+                conditions=Conditions(positive, negative, cfg_scale if cfg_scale > 1.0 else 1.0),
                 image=image,
                 inference_time_s=elapsed,
             )
@@ -152,21 +190,16 @@ def samples_from_outputs(req: GenerateRequest, outputs: list[dict[str, Any]]) ->
     return samples
 
 
-def parse_response(req: GenerateRequest, body: bytes) -> list[Sample]:
-    return samples_from_outputs(req, decode_body(body))
+def parse_response(req: GenerateRequest, body: bytes, family: TrainPipelineConfig | None = None) -> list[Sample]:
+    return samples_from_outputs(req, decode_body(body), family)
 
 
-def _cond_rows(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """The engine's condition tensors of one output, without the batch dim (float32)."""
+def _cond_rows(adapter: TrainPipelineConfig, env: dict[str, Any], key: str) -> dict[str, Any]:
+    """The family's condition rows of one output from `env[key]` (float32, no batch dim)."""
+    kwargs = env.get(key)
     if not kwargs:
-        raise ValueError("engine response has no denoising_env condition tensors (rollout_return_denoising_env)")
-    rows = {}
-    for key, value in kwargs.items():
-        if value is None:
-            continue
-        tensor = value.float()
-        rows[key] = tensor[0].clone() if tensor.dim() >= 2 and tensor.shape[0] == 1 else tensor.clone()
-    return rows
+        raise ValueError(f"engine response has no denoising_env {key} (rollout_return_denoising_env)")
+    return adapter.from_engine_conditions(kwargs, env)
 
 
 def _empty() -> Any:

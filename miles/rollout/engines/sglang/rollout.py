@@ -28,7 +28,13 @@ from typing import Any
 
 from miles.config.errors import EngineFailure
 from miles.rollout.engines.base import GenerateRequest
-from miles.rollout.engines.sglang.protocol import GENERATE_PATH, parse_response, rollout_payload, server_requests
+from miles.rollout.engines.sglang.protocol import (
+    GENERATE_PATH,
+    engine_family,
+    parse_response,
+    rollout_payload,
+    server_requests,
+)
 from miles.rollout.types import Sample
 
 logger = logging.getLogger("miles.rollout.sglang")
@@ -39,10 +45,13 @@ class RolloutEngineError(EngineFailure):
 
 
 class _Parser:
-    """A Ray actor that decodes responses off the manager's event loop."""
+    """A Ray actor that decodes responses off the manager's event loop (into the family's layout)."""
+
+    def __init__(self, args: Any) -> None:
+        self.family = engine_family(args)
 
     def parse(self, request: GenerateRequest, body: bytes) -> list[Sample]:
-        return parse_response(request, body)
+        return parse_response(request, body, self.family)
 
 
 class SglangRollout:
@@ -50,6 +59,7 @@ class SglangRollout:
         import ray
 
         from miles.models.checkpoints import ensure_checkpoint
+        from miles.models.tiny_sd3.metadata import max_sequence_length
         from miles.rollout.engines.sglang.engine import engine_actor_class
         from miles.rollout.engines.sglang.server import resolve_sglang_python
         from miles.rollout.router import MilesRouter, RouterConfig
@@ -64,6 +74,8 @@ class SglangRollout:
             )
         self.root = Path(args.output_dir or ".") / "engines"
         model_path = str(ensure_checkpoint(args.hf_checkpoint))
+        self.family = engine_family(args)  # what differs per family: payloads, parsing, weight layout
+        self.max_sequence_length = max_sequence_length(model_path, default=self.family.max_sequence_length)
         actor = engine_actor_class()
         self.engines = []
         for i in range(num):
@@ -118,7 +130,7 @@ class SglangRollout:
             self.router.add_worker(info["url"])
         workers = max(1, int(args.rollout_parser_num_workers))
         parser = ray.remote(_Parser).options(num_cpus=0)
-        self.parsers = [parser.remote() for _ in range(workers)]
+        self.parsers = [parser.remote(args) for _ in range(workers)]
         self._next_parser = 0
 
     # ---- engines ------------------------------------------------------------------------------
@@ -243,7 +255,7 @@ class SglangRollout:
     async def _one(self, session: Any, semaphore: asyncio.Semaphore, request: GenerateRequest, score: bool) -> Any:
         from miles.rollout.rm_hub.dispatch import score_samples
 
-        payload = rollout_payload(request, self.args.diffusion_generator_device)
+        payload = rollout_payload(request, self.args.diffusion_generator_device, self.family, self.max_sequence_length)
         url = self.router.url + GENERATE_PATH
         async with semaphore:
             body = await self._post(session, url, payload, request)
@@ -297,13 +309,13 @@ class SglangRollout:
         if state and all(is_lora_entry(name) for name in state):
             path, alpha = wsync.write_lora_adapter(state, root, version)
             expected = wsync.lora_expected_sha256(
-                self._base_files(), self._lora_base_sha(), path, alpha, self._linear_names(), dtype
+                self._base_files(), self._lora_base_sha(), path, alpha, self._linear_names(), dtype, self.family
             )
             sync: tuple[str, Any] = ("lora", (str(path), f"miles-v{version}", alpha, expected))
         else:
             path = wsync.write_transformer(state, root, version, dtype)
             params = self._param_names()
-            expected = wsync.expected_sha256({k: v for k, v in state.items() if k in params}, dtype)
+            expected = wsync.engine_sha256({k: v for k, v in state.items() if k in params}, dtype, self.family)
             sync = ("disk", (str(path), expected))
             # a later LoRA adapter is set on top of these weights
             self._base_sha, self._base_dir = expected, path / "transformer"
@@ -372,19 +384,13 @@ class SglangRollout:
         return sorted(self._base_dir.glob("*.safetensors"))
 
     def _lora_base_sha(self) -> dict[str, str]:
-        """Digests of the base parameters (plain names), read once from `_base_files()`."""
+        """Digests of the base parameters (sglang's names: plain, fused modules fused), read once from
+        `_base_files()`."""
         if self._base_sha is None:
-            from safetensors.torch import load_file
+            from miles.rollout.engines.sglang.sync import files_engine_sha256
 
-            from miles.rollout.engines.sglang.sync import expected_sha256
-
-            names = self._param_names()
             dtype = _dtype(self.args.diffusion_forward_dtype)
-            digests: dict[str, str] = {}
-            for file in self._base_files():
-                tensors = load_file(str(file))
-                digests.update(expected_sha256({k: v for k, v in tensors.items() if k in names}, dtype))
-            self._base_sha = digests
+            self._base_sha = files_engine_sha256(self._base_files(), self._param_names(), dtype, self.family)
         return self._base_sha
 
     def _param_names(self) -> frozenset[str]:

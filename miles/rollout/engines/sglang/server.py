@@ -8,10 +8,12 @@ that differ from the trainer's. The interpreter comes from `--sglang-python`, el
 What miles sets on every server (a `--sglang-KEY VALUE` passthrough overrides the rest):
   * `--model-path`, `--host` (`--rollout-engine-host`, 127.0.0.1 by default), `--port`, and free
     `--scheduler-port` / `--master-port` so several servers share a machine;
-  * `--model-id` for the families whose native sglang pipeline is chosen by name (SD3: a local
+  * `--model-id` from the family's `sglang_model_id` (sglang picks its native pipeline by name: a local
     checkpoint directory carries no hint, and without it sglang falls back to a diffusers pipeline
     that cannot return trajectories);
   * precisions: `--dit-precision` from `--diffusion-forward-dtype`, the text encoders likewise, the VAE fp32;
+  * the family's own options (`TrainPipelineConfig.sglang_server_options`: its text-encoder count, flux's
+    `--embedded-cfg-scale`), over the defaults above;
   * `--vae-tiling false`: sglang's SD3 config tiles the VAE decode by default with tiles sized from the
     VAE config's `sample_size` (diffusers' default 32), while diffusers' pipeline never tiles. A latent
     larger than the tile then decodes to a different image (measured on tiny-sd3 with sample_size 32:
@@ -38,9 +40,12 @@ from typing import Any
 
 DEFAULT_ENV = Path.home() / ".cache" / "miles" / "sglang-env"
 PYTHON_ENV_VAR = "MILES_SGLANG_PYTHON"
-# family -> the model id that selects sglang's native pipeline
-NATIVE_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers"}
 _PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def server_precision(dtype: str) -> str:
+    """sglang's precision name for `--diffusion-forward-dtype` `dtype` (fp32 for one it has no name for)."""
+    return _PRECISION.get(dtype, "fp32")
 
 
 class EngineStartError(RuntimeError):
@@ -99,6 +104,7 @@ class ServerSpec:
     num_gpus: int = 1
     warmup: tuple[int, int] | None = None  # (width, height)
     sleep_on_idle: bool = False  # on a CPU machine the idle scheduler would otherwise spin a whole core
+    family_options: dict[str, Any] = field(default_factory=dict)  # the family's, over the defaults
     passthrough: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     name: str = "engine 0"
@@ -106,7 +112,7 @@ class ServerSpec:
     def command(self, scheduler_port: int, master_port: int) -> list[str]:
         sglang = Path(self.python).parent / "sglang"
         head = [str(sglang)] if sglang.is_file() else [self.python, "-m", "sglang.cli.main"]
-        precision = _PRECISION.get(self.precision, "fp32")
+        precision = server_precision(self.precision)
         options: dict[str, Any] = {
             "host": self.host,
             "port": self.port,
@@ -115,9 +121,10 @@ class ServerSpec:
             "num_gpus": self.num_gpus,
             "dit_precision": precision,
             "vae_precision": "fp32",
-            "text_encoder_precisions": [precision] * 3,
+            "text_encoder_precisions": [precision] * 3,  # SD3's three; a family's options set its own
             "vae_tiling": "false",
         }
+        options.update(self.family_options)
         if self.model_id:
             options["model_id"] = self.model_id
         if self.sleep_on_idle:

@@ -15,6 +15,10 @@ the active adapter is read back from `/v1/list_loras` too.
 sglang's SD3 port matches adapter keys without the `transformer.` prefix that diffusers'
 `save_lora_weights` writes (with it, set_lora answers 200 and applies the adapter to 0 layers), so the
 keys are `<module>.lora_A.weight` / `<module>.lora_B.weight`.
+
+Where sglang's port of a family's DiT fuses modules (Qwen-Image's text q/k/v into `to_added_qkv`), the
+digests are of its layout: the family's `to_engine_tensors` / `engine_module` (`sglang_fused_modules`)
+say how, and a LoRA merge is computed per member, then concatenated, as sglang merges stacked sections.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from miles.models.pipeline_config import TrainPipelineConfig
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 KEEP_VERSIONS = 2
@@ -65,6 +71,33 @@ def merged_lora_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sca
     return data.to(base.dtype)
 
 
+def engine_sha256(
+    state: dict[str, torch.Tensor], dtype: torch.dtype, family: TrainPipelineConfig | None = None
+) -> dict[str, str]:
+    """`expected_sha256` in the layout sglang's port of `family`'s DiT holds the tensors (None: as named)."""
+    return expected_sha256(family.to_engine_tensors(state) if family is not None else state, dtype)
+
+
+def files_engine_sha256(
+    files: list[Path], names: Any, dtype: torch.dtype, family: TrainPipelineConfig | None = None
+) -> dict[str, str]:
+    """`engine_sha256` of the tensors `names` stored in the safetensors `files`, one file in memory at a time
+    (the members of fused modules are kept, in `dtype`, until their module is whole)."""
+    from safetensors.torch import load_file
+
+    digests: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors = {k: v for k, v in load_file(str(file)).items() if k in names}
+        if family is not None:
+            fused = {k for k in tensors if len(family.engine_module(k.rpartition(".")[0])[1]) > 1}
+            pending.update({k: tensors.pop(k).to(dtype) for k in fused})
+        digests.update(expected_sha256(tensors, dtype))
+    if pending:
+        digests.update(engine_sha256(pending, dtype, family))
+    return digests
+
+
 def lora_expected_sha256(
     base_files: list[Path],
     base_sha: dict[str, str],
@@ -72,16 +105,17 @@ def lora_expected_sha256(
     alpha: int,
     linears: Any,
     dtype: torch.dtype,
+    family: TrainPipelineConfig | None = None,
 ) -> dict[str, str]:
     """Every transformer parameter after `/v1/set_lora` of `adapter` (merge mode) on the weights in
-    `base_files` (digests `base_sha`), under sglang's wrapped names: the adapted linears hold the merge,
-    everything else the base."""
+    `base_files` (digests `base_sha`, in sglang's layout), under sglang's wrapped names: the adapted
+    linears hold the merge, everything else the base."""
     from safetensors.torch import load_file
 
     lora = load_file(str(adapter))
     modules = sorted(k[: -len(".lora_A.weight")] for k in lora if k.endswith(".lora_A.weight"))
     pairs = {m: (lora[f"{m}.lora_A.weight"], lora[f"{m}.lora_B.weight"]) for m in modules}
-    return lora_merged_sha256(base_files, base_sha, pairs, alpha, linears, dtype, source=str(adapter))
+    return lora_merged_sha256(base_files, base_sha, pairs, alpha, linears, dtype, source=str(adapter), family=family)
 
 
 def lora_merged_sha256(
@@ -92,24 +126,33 @@ def lora_merged_sha256(
     linears: Any,
     dtype: torch.dtype,
     source: str = "the LoRA payload",
+    family: TrainPipelineConfig | None = None,
 ) -> dict[str, str]:
     """`lora_expected_sha256` for adapter pairs `module -> (A, B)` as sglang receives them (a file's, or
-    `/update_weights_from_tensor`'s `lora_merge` payload, which merges the same way)."""
+    `/update_weights_from_tensor`'s `lora_merge` payload, which merges the same way). With a `family`
+    whose sglang port fuses modules, an adapted member's fused module is recomputed from all members."""
     from safetensors import safe_open
 
-    wanted = {f"{m}.weight": m for m in pairs}
-    merged: dict[str, str] = {}
+    from miles.models.pipeline_config import TrainPipelineConfig
+
+    adapter = family if family is not None else TrainPipelineConfig()
+    members = {m for module in pairs for m in adapter.engine_module(module)[1]}
+    wanted = {f"{m}.weight": m for m in members}
+    weights: dict[str, torch.Tensor] = {}
     for file in base_files:
         with safe_open(str(file), framework="pt") as handle:
             for name in wanted.keys() & set(handle.keys()):
-                a, b = pairs[wanted[name]]
-                base = handle.get_tensor(name).to(dtype)
-                merged[name] = tensor_sha256(merged_lora_weight(base, a, b, alpha / a.shape[0]))
-    missing = sorted(set(wanted) - set(merged))
+                weight = handle.get_tensor(name).to(dtype)
+                if wanted[name] in pairs:
+                    a, b = pairs[wanted[name]]
+                    weight = merged_lora_weight(weight, a, b, alpha / a.shape[0])
+                weights[name] = weight
+    missing = sorted(set(wanted) - set(weights))
     if missing:
         raise ValueError(f"LoRA adapter {source} adapts modules the transformer does not have: {missing[:5]}")
+    merged = {name: tensor_sha256(t) for name, t in adapter.to_engine_tensors(weights).items()}
     digests = {**base_sha, **merged}
-    wrapped = lora_wrapped_names(digests, linears)
+    wrapped = lora_wrapped_names(digests, {adapter.engine_module(m)[0] for m in linears})
     return {wrapped[name]: digest for name, digest in digests.items()}
 
 
