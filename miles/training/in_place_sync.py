@@ -76,8 +76,9 @@ class SglangExpectations:
     def __init__(self, args: Any) -> None:
         from miles.models.checkpoints import ensure_checkpoint
         from miles.rollout.engines.sglang.sync import transformer_layout
-        from miles.training.model import DTYPES
+        from miles.training.model import DTYPES, family_of
 
+        self.family = family_of(args)  # sglang's port may hold some tensors fused (qwen_image's text q/k/v)
         checkpoint = Path(ensure_checkpoint(args.hf_checkpoint))
         self.params, self.linears = transformer_layout(checkpoint)
         self.dtype = DTYPES[args.diffusion_forward_dtype]
@@ -85,27 +86,23 @@ class SglangExpectations:
         self._base_sha: dict[str, str] | None = None
 
     def full(self, state: dict[str, torch.Tensor]) -> dict[str, str]:
-        from miles.rollout.engines.sglang.sync import expected_sha256
+        from miles.rollout.engines.sglang.sync import engine_sha256
 
-        return expected_sha256({k: v for k, v in state.items() if k in self.params}, self.dtype)
+        return engine_sha256({k: v for k, v in state.items() if k in self.params}, self.dtype, self.family)
 
     def lora(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: int) -> dict[str, str]:
         from miles.rollout.engines.sglang.sync import lora_merged_sha256
 
         if self._base_sha is None:
             self._base_sha = self._checkpoint_sha()
-        return lora_merged_sha256(self.base_files, self._base_sha, pairs, alpha, self.linears, self.dtype)
+        return lora_merged_sha256(
+            self.base_files, self._base_sha, pairs, alpha, self.linears, self.dtype, family=self.family
+        )
 
     def _checkpoint_sha(self) -> dict[str, str]:
-        from safetensors.torch import load_file
+        from miles.rollout.engines.sglang.sync import files_engine_sha256
 
-        from miles.rollout.engines.sglang.sync import expected_sha256
-
-        digests: dict[str, str] = {}
-        for file in self.base_files:
-            tensors = load_file(str(file))
-            digests.update(expected_sha256({k: v for k, v in tensors.items() if k in self.params}, self.dtype))
-        return digests
+        return files_engine_sha256(self.base_files, self.params, self.dtype, self.family)
 
 
 def push_to_diffusers(engine: Any, state: dict[str, torch.Tensor], args: Any, version: int) -> dict[str, float]:
