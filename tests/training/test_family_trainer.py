@@ -1,0 +1,115 @@
+"""flux and qwen_image through the trainer in-process (one gloo rank), on a rollout of their own engine.
+
+Per family: the frozen-weight recompute equals the engine's log-probs; a LoRA step's LoRA-only sync, merged
+by the engine, equals the trainer's merged weights; the LoRA export loads with the family pipeline's
+`load_lora_weights`; DiffusionNFT and SFT steps train; the exported pipeline loads with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import free_port
+
+from miles.config.resolve import resolve
+from miles.training.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = {
+    "flux": ("tiny_flux_dir", "tiny-flux-digits-grpo"),
+    "qwen_image": ("tiny_qwen_image_dir", "tiny-qwen-image-digits-grpo"),
+}
+SMALL = {
+    "rollout_batch_size": 2,
+    "n_samples_per_prompt": 2,
+    "rollout_microgroup_size": 2,
+    "global_batch_size": 4,
+    "micro_batch_size": 4,
+    "diffusion_num_steps": 4,
+    "diffusion_num_sde_steps": 2,
+    "diffusion_sde_window_range": "0,4",
+    "lr_warmup_iters": 0,
+}
+_ROLLOUTS: dict[str, tuple] = {}
+
+
+def _args(checkpoint: Path, recipe: str, **cli):
+    return resolve("rl", recipe=recipe, cli={**SMALL, "hf_checkpoint": str(checkpoint), **cli}).args
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family_rollout(request: pytest.FixtureRequest):
+    """`(checkpoint, recipe, manager, batch)`: an in-process manager of the family's SMALL job and rollout 0."""
+    from miles.rollout.manager import RolloutManager
+
+    name = request.param
+    if name not in _ROLLOUTS:
+        fixture, recipe = FAMILIES[name]
+        checkpoint = request.getfixturevalue(fixture)
+        manager = RolloutManager(_args(checkpoint, recipe))
+        _ROLLOUTS[name] = (checkpoint, recipe, manager, manager.generate(0))
+    return _ROLLOUTS[name]
+
+
+def test_frozen_recompute_equals_the_engine(family_rollout) -> None:
+    checkpoint, recipe, _, batch = family_rollout
+    trainer = Trainer(_args(checkpoint, recipe, debug_skip_optimizer_step=True), master_port=free_port())
+    metrics = trainer.train(0, batch.samples)
+    assert metrics["log_prob_mean_abs_diff"] <= 1e-6
+    assert all(s.conditions.negative is not None for s in batch.samples)  # both recipes run a negative branch
+
+
+def test_lora_step_sync_and_export(family_rollout, tmp_path: Path) -> None:
+    from miles.models.families import resolve_family
+
+    checkpoint, recipe, manager, batch = family_rollout
+    args = _args(checkpoint, recipe, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2)
+    trainer = Trainer(args, master_port=free_port())
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    family = resolve_family(str(checkpoint), env={})
+    # the family's default LoRA targets reach attention and the FFNs
+    assert any("attn" in n for n in trained) and any("mlp" in n or "ff" in n for n in trained)
+    start = manager.engine_state_dict()
+    metrics = trainer.train(0, batch.samples)
+    assert metrics["grad_norm"] > 0
+    from miles.models.lora_sync import lora_sync_payload
+
+    with trainer._served():
+        payload = lora_sync_payload(trainer.model)  # what --lora-ipc-weight-sync pushes: the engine merges
+    assert payload and all("lora" in k for k in payload)
+    manager.update_weights(payload, 1)
+    engine, merged = manager.engine_state_dict(), trainer.engine_weights()
+    assert max((engine[k] - merged[k]).abs().max().item() for k in merged) <= 1e-6
+    assert any(not torch.equal(start[k], engine[k]) for k in start)
+    manager.update_weights(start, 2)  # the shared engine as it was
+
+    out = trainer.export_lora(str(tmp_path / "lora"))
+    pipe = family.load_pipeline_class().from_pretrained(checkpoint)
+    pipe.load_lora_weights(out)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    fused = pipe.transformer.state_dict()
+    key = next(k for k in merged if k.endswith("attn.to_q.weight"))
+    assert torch.allclose(fused[key].float(), merged[key].float(), atol=1e-5)
+
+    exported = trainer.export_pipeline(str(tmp_path / "pipeline"))
+    again = family.load_pipeline_class().from_pretrained(exported)
+    assert torch.allclose(again.transformer.state_dict()[key].float(), merged[key].float(), atol=1e-6)
+
+
+def test_nft_and_sft_steps_train(family_rollout) -> None:
+    checkpoint, recipe, _, batch = family_rollout
+    nft = Trainer(
+        _args(checkpoint, recipe, loss_type="nft", use_ema=True, diffusion_sde_type="ode", lr=1e-3),
+        master_port=free_port(),
+    )
+    metrics = nft.train(0, batch.samples)
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
+    sft = Trainer(_args(checkpoint, recipe, lr=1e-3), master_port=free_port())
+    x0 = torch.stack([s.trajectory.latents[-1] for s in batch.samples])
+    first = sft.train_sft(x0, batch.samples)
+    assert torch.isfinite(torch.tensor(first["loss"])) and first["grad_norm"] > 0
