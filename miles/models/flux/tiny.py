@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from miles.models.loading import quiet_loading
 from miles.models.tiny_sd3 import components as C
-from miles.models.tiny_sd3.builder import BuildReport, _Progress
+from miles.models.tiny_sd3.builder import BuildReport, _Progress, build_atomically, library_versions, phase_timer
 from miles.models.tiny_sd3.metadata import FORMAT_VERSION, TINY_MAX_SEQUENCE_LENGTH, TINY_METADATA_FILE
 from miles.models.tiny_sd3.vae_fit import VAE_BATCH_SIZE, VAE_LR, VAE_STEPS
 
@@ -129,32 +128,16 @@ def build_tiny_flux(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-flux into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
-    from miles.utils.paths import atomic_directory
-
-    out = Path(out_dir).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory")
-    with atomic_directory(out) as tmp:
-        report = _build_into(tmp, seed, progress, vae_steps)
-    report.out_dir = out
-    return report
+    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
 
 
 def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
     start = time.perf_counter()
     timings: dict[str, float] = {}
 
-    @contextmanager
-    def phase(name: str, bar: _Progress, advance: bool = True) -> Iterator[None]:
-        bar.describe(name)
-        t0 = time.perf_counter()
-        yield
-        timings[name] = round(time.perf_counter() - t0, 3)
-        if advance:
-            bar.advance()
-
     with _FluxProgress(progress, vae_steps) as bar:
-        with phase("tokenizers", bar):
+        phase = phase_timer(timings, bar)
+        with phase("tokenizers"):
             import torch
 
             from miles.models.tiny_sd3.tokenizers import build_clip_tokenizer, build_t5_tokenizer
@@ -169,27 +152,27 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
                 "t5_pad_id": t5_tok.pad_token_id,
                 "t5_eos_id": t5_tok.eos_token_id,
             }
-        with phase("text encoders", bar):
+        with phase("text encoders"):
             te1 = make_clip_text_encoder(seed, ids)
             te2 = C.make_t5_encoder(seed, ids)
-        with phase("transformer", bar):
+        with phase("transformer"):
             transformer = make_transformer(seed)
-        with phase("data", bar):
+        with phase("data"):
             from miles.data.digits import load_digits_split
             from miles.models.tiny_sd3 import vae_fit
 
             split = load_digits_split()
             train_images = vae_fit.digits_to_vae_input(split.train_x)
             test_images = vae_fit.digits_to_vae_input(split.test_x)
-        with phase("vae fit", bar, advance=False):
+        with phase("vae fit", advance=False):
             vae = C.make_vae(seed)
             on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
             vae_fit.fit_vae(vae, train_images, steps=vae_steps, seed=seed, on_step=on_step)
-        with phase("vae stats", bar):
+        with phase("vae stats"):
             shift, scale = vae_fit.set_latent_normalization(vae, train_images)
             recon = vae_fit.reconstruct(vae, test_images)
             vae_mse = float(torch.nn.functional.mse_loss(recon, test_images))
-        with phase("classifier", bar):
+        with phase("classifier"):
             from miles.models import digit_classifier as digit
 
             clf, clf_meta = digit.fit_digit_classifier()
@@ -198,7 +181,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             )
             clf_meta["vae_reconstruction_accuracy"] = recon_acc
             digit.save_digit_classifier(clf, clf_meta, tmp / digit.CLASSIFIER_DIRNAME)
-        with phase("save", bar):
+        with phase("save"):
             from diffusers import FluxPipeline
 
             pipe = FluxPipeline(
@@ -233,10 +216,6 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
 
 
 def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: float, report: BuildReport) -> None:
-    import diffusers
-    import sklearn
-    import torch
-    import transformers
 
     from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
     from miles.models.tiny_sd3.tokenizers import CLIP_MAX_LENGTH
@@ -266,11 +245,6 @@ def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: f
         "params": report.params,
         "build_seconds": report.seconds,
         "phase_seconds": report.phase_seconds,
-        "versions": {
-            "torch": torch.__version__,
-            "diffusers": diffusers.__version__,
-            "transformers": transformers.__version__,
-            "scikit-learn": sklearn.__version__,
-        },
+        "versions": library_versions(),
     }
     (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.loading import quiet_loading
-from miles.models.tiny_sd3.builder import BuildReport, _Progress
+from miles.models.tiny_sd3.builder import BuildReport, _Progress, build_atomically, library_versions, phase_timer
 from miles.models.tiny_sd3.metadata import FORMAT_VERSION, TINY_METADATA_FILE
 from miles.models.tiny_sd3.vae_fit import VAE_BATCH_SIZE, VAE_LR
 
@@ -240,32 +240,16 @@ def build_tiny_qwen_image(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-qwen-image into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
-    from miles.utils.paths import atomic_directory
-
-    out = Path(out_dir).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory")
-    with atomic_directory(out) as tmp:
-        report = _build_into(tmp, seed, progress, vae_steps)
-    report.out_dir = out
-    return report
+    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
 
 
 def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
     start = time.perf_counter()
     timings: dict[str, float] = {}
 
-    @contextmanager
-    def phase(name: str, bar: _Progress, advance: bool = True) -> Iterator[None]:
-        bar.describe(name)
-        t0 = time.perf_counter()
-        yield
-        timings[name] = round(time.perf_counter() - t0, 3)
-        if advance:
-            bar.advance()
-
     with _QwenImageProgress(progress, vae_steps) as bar:
-        with phase("tokenizers", bar):
+        phase = phase_timer(timings, bar)
+        with phase("tokenizers"):
             import torch
 
             from miles.data.digits import NUM_LABELS, prompt_for
@@ -280,27 +264,27 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             corpus_lengths = prompt_token_lengths(tokenizer, prompt_corpus(), template, drop)
             assert max(corpus_lengths) <= TINY_QWEN_MAX_SEQUENCE_LENGTH, corpus_lengths
             ids = qtok.token_ids(tokenizer)
-        with phase("text encoders", bar):
+        with phase("text encoders"):
             text_encoder = make_text_encoder(seed, ids)
-        with phase("transformer", bar):
+        with phase("transformer"):
             transformer = make_transformer(seed)
-        with phase("data", bar):
+        with phase("data"):
             from miles.data.digits import load_digits_split
             from miles.models.tiny_sd3 import vae_fit
 
             split = load_digits_split()
             train_videos = digits_to_video_input(split.train_x)
             test_videos = digits_to_video_input(split.test_x)
-        with phase("vae fit", bar, advance=False):
+        with phase("vae fit", advance=False):
             vae = make_vae(seed)
             on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
             with single_frame_convs(vae):
                 vae_fit.fit_vae(vae, train_videos, steps=vae_steps, seed=seed, on_step=on_step)
-        with phase("vae stats", bar), single_frame_convs(vae):
+        with phase("vae stats"), single_frame_convs(vae):
             latents_mean, latents_std = set_latent_statistics(vae, train_videos)
             recon = vae_fit.reconstruct(vae, test_videos)
             vae_mse = float(torch.nn.functional.mse_loss(recon, test_videos))
-        with phase("classifier", bar):
+        with phase("classifier"):
             from miles.models import digit_classifier as digit
 
             clf, clf_meta = digit.fit_digit_classifier()
@@ -308,7 +292,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             recon_acc = float((clf.predict(digit.digits_to_features(recon_digits)) == split.test_y).mean())
             clf_meta["vae_reconstruction_accuracy"] = recon_acc
             digit.save_digit_classifier(clf, clf_meta, tmp / digit.CLASSIFIER_DIRNAME)
-        with phase("save", bar):
+        with phase("save"):
             from diffusers import QwenImagePipeline
 
             pipe = QwenImagePipeline(
@@ -354,10 +338,6 @@ def _write_metadata(
     tokens: dict[str, int],
     report: BuildReport,
 ) -> None:
-    import diffusers
-    import sklearn
-    import torch
-    import transformers
 
     from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
 
@@ -386,11 +366,6 @@ def _write_metadata(
         "params": report.params,
         "build_seconds": report.seconds,
         "phase_seconds": report.phase_seconds,
-        "versions": {
-            "torch": torch.__version__,
-            "diffusers": diffusers.__version__,
-            "transformers": transformers.__version__,
-            "scikit-learn": sklearn.__version__,
-        },
+        "versions": library_versions(),
     }
     (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")

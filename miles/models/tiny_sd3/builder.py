@@ -77,23 +77,29 @@ def build_tiny_sd3(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-sd3 into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
+    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
+
+
+def build_atomically(out_dir: str | Path, build_into: Callable[[Path], BuildReport]) -> BuildReport:
+    """Every tiny build's frame: refuse a non-empty `out_dir`, run `build_into` in a temp sibling that is
+    renamed into place (an interrupted build leaves nothing), and report the final directory."""
     from miles.utils.paths import atomic_directory
 
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
     with atomic_directory(out) as tmp:
-        report = _build_into(tmp, seed, progress, vae_steps)
+        report = build_into(tmp)
     report.out_dir = out
     return report
 
 
-def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    start = time.perf_counter()
-    timings: dict[str, float] = {}
+def phase_timer(timings: dict[str, float], bar: _Progress):
+    """`with phase(name[, advance=False]):` shows `name` on `bar`, records its seconds in `timings` and
+    advances the bar one unit (a phase that advances per step itself passes advance=False)."""
 
     @contextmanager
-    def phase(name: str, bar: _Progress, advance: bool = True) -> Iterator[None]:
+    def phase(name: str, advance: bool = True) -> Iterator[None]:
         bar.describe(name)
         t0 = time.perf_counter()
         yield
@@ -101,8 +107,31 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
         if advance:
             bar.advance()
 
+    return phase
+
+
+def library_versions() -> dict[str, str]:
+    """The versions a tiny build's metadata records."""
+    import diffusers
+    import sklearn
+    import torch
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "scikit-learn": sklearn.__version__,
+    }
+
+
+def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+
     with _Progress(progress, vae_steps) as bar:
-        with phase("tokenizers", bar):
+        phase = phase_timer(timings, bar)
+        with phase("tokenizers"):
             import torch
 
             from miles.models.tiny_sd3.tokenizers import build_clip_tokenizer, build_t5_tokenizer
@@ -117,28 +146,28 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
                 "t5_pad_id": t5_tok.pad_token_id,
                 "t5_eos_id": t5_tok.eos_token_id,
             }
-        with phase("text encoders", bar):
+        with phase("text encoders"):
             te1 = C.make_clip_text_encoder(seed, "text_encoder", ids)
             te2 = C.make_clip_text_encoder(seed, "text_encoder_2", ids)
             te3 = C.make_t5_encoder(seed, ids)
-        with phase("transformer", bar):
+        with phase("transformer"):
             transformer = C.make_transformer(seed)
-        with phase("data", bar):
+        with phase("data"):
             from miles.data.digits import load_digits_split
             from miles.models.tiny_sd3 import vae_fit
 
             split = load_digits_split()
             train_images = vae_fit.digits_to_vae_input(split.train_x)
             test_images = vae_fit.digits_to_vae_input(split.test_x)
-        with phase("vae fit", bar, advance=False):
+        with phase("vae fit", advance=False):
             vae = C.make_vae(seed)
             on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
             vae_fit.fit_vae(vae, train_images, steps=vae_steps, seed=seed, on_step=on_step)
-        with phase("vae stats", bar):
+        with phase("vae stats"):
             shift, scale = vae_fit.set_latent_normalization(vae, train_images)
             recon = vae_fit.reconstruct(vae, test_images)
             vae_mse = float(torch.nn.functional.mse_loss(recon, test_images))
-        with phase("classifier", bar):
+        with phase("classifier"):
             from miles.models import digit_classifier as digit
 
             clf, clf_meta = digit.fit_digit_classifier()
@@ -147,7 +176,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             )
             clf_meta["vae_reconstruction_accuracy"] = recon_acc
             digit.save_digit_classifier(clf, clf_meta, tmp / digit.CLASSIFIER_DIRNAME)
-        with phase("save", bar):
+        with phase("save"):
             from diffusers import StableDiffusion3Pipeline
 
             pipe = StableDiffusion3Pipeline(
@@ -185,10 +214,6 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
 
 
 def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: float, report: BuildReport) -> None:
-    import diffusers
-    import sklearn
-    import torch
-    import transformers
 
     from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
     from miles.models.tiny_sd3.tokenizers import CLIP_MAX_LENGTH
@@ -218,11 +243,6 @@ def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: f
         "params": report.params,
         "build_seconds": report.seconds,
         "phase_seconds": report.phase_seconds,
-        "versions": {
-            "torch": torch.__version__,
-            "diffusers": diffusers.__version__,
-            "transformers": transformers.__version__,
-            "scikit-learn": sklearn.__version__,
-        },
+        "versions": library_versions(),
     }
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
