@@ -72,7 +72,7 @@ def build(out: Path, layers: int) -> dict[str, int]:
     )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    from miles.models.tiny_sd3.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+    from miles.models.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def build(
 ) -> None:
     """Build NAME offline and deterministically; print the build time and the classifier accuracy."""
     from miles.models.checkpoints import BUILTIN_MODELS, builtin_checkpoint_dir, is_complete
-    from miles.models.tiny_sd3.metadata import read_metadata
+    from miles.models.tiny.metadata import read_metadata
 
     if name not in BUILTIN_MODELS:
         raise ConfigError(f"models build: unknown model {name!r}; buildable models: {', '.join(BUILTIN_MODELS)}")

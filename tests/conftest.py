@@ -116,7 +116,7 @@ def tiny_clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     import torch
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
-    from miles.models.tiny_sd3.tokenizers import CLIP_BOS, CLIP_EOS, build_clip_tokenizer
+    from miles.models.tiny.tokenizers import CLIP_BOS, CLIP_EOS, build_clip_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_clip")
     tokenizer = build_clip_tokenizer()

@@ -12,14 +12,14 @@ import os
 from pathlib import Path
 
 from miles.config.errors import ConfigError
-from miles.models.digits_teachers import SFT_TEACHERS, is_current
+from miles.models.digits_teachers import SFT_TEACHERS, TEACHER_BUILDER, is_current
 from miles.models.pipeline_config import import_dotted
-from miles.models.tiny_sd3.metadata import METADATA_FILES, TINY_SD3_NAME
+from miles.models.tiny.metadata import METADATA_FILES, TINY_SD3_NAME
 from miles.utils.paths import file_lock, models_dir
 
 # the offline tiny builds: name -> "module:function" with the signature (out_dir, seed=, progress=) -> BuildReport
 TINY_BUILDERS: dict[str, str] = {
-    TINY_SD3_NAME: "miles.models.tiny_sd3.builder:build_tiny_sd3",
+    TINY_SD3_NAME: "miles.models.sd3.tiny:build_tiny_sd3",
     "tiny-flux": "miles.models.flux.tiny:build_tiny_flux",
     "tiny-qwen-image": "miles.models.qwen_image.tiny:build_tiny_qwen_image",
 }
@@ -65,9 +65,7 @@ def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, se
                 f"(or run `miles models build {name} --force`)"
             )
         if name in SFT_TEACHERS:
-            from miles.models.digits_teachers import build_digits_teacher
-
-            build_digits_teacher(name, target, progress=progress)
+            import_dotted(TEACHER_BUILDER)(name, target, progress=progress)
         else:
             tiny_builder(name)(target, seed=seed, progress=progress)
     return target

@@ -1,5 +1,8 @@
 """Built-in SFT checkpoints of the tiny families on the digits, made on first use by the tiny recipes.
 
+Torch-free: names, step counts and stamps. The build itself (`miles.runtime.teachers`) runs the
+Trainer, so it lives above `miles.training`; `ensure_checkpoint` imports it by `TEACHER_BUILDER`.
+
 `tiny-sd3-digits-sft` is the teacher (the `tiny-digits-sft` recipe's full run); the short one is an
 under-trained start for RL (`tiny-digits-grpo`), so the reward has room to rise. Each is built in
 this process (one gloo rank, the same Trainer as `miles train sft`), exported as a complete pipeline
@@ -14,7 +17,6 @@ steps 0.94): there the digit reward responds to RL within a few dozen optimizer 
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 SFT_TEACHERS: dict[str, int] = {
@@ -31,6 +33,8 @@ TEACHER_SOURCES: dict[str, tuple[str, str]] = {
     "tiny-qwen-image-digits-sft-short": ("tiny-qwen-image-digits-sft", "tiny-qwen-image"),
 }
 STAMP_FILE = "digits_teacher.json"
+# what trains them sits above `miles.training` (it runs the Trainer): imported by path on first use
+TEACHER_BUILDER = "miles.runtime.teachers:build_digits_teacher"
 # copies made before the stamp existed
 _UNSTAMPED_STEPS = {"tiny-sd3-digits-sft": 1000, "tiny-sd3-digits-sft-short": 450}
 
@@ -50,50 +54,3 @@ def built_steps(path: Path, name: str) -> int | None:
 
 def is_current(path: Path, name: str) -> bool:
     return built_steps(path, name) == SFT_TEACHERS[name]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def build_digits_teacher(name: str, target: Path, progress: bool = True) -> Path:
-    import json
-
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    from miles.config.resolve import resolve
-    from miles.training.sft_data import encode_sft_dataset
-    from miles.training.trainer import Trainer
-    from miles.utils.atomic import atomic_write_text
-
-    steps = SFT_TEACHERS[name]
-    recipe, base = TEACHER_SOURCES[name]
-    args = resolve(
-        "sft", recipe=recipe, cli={"num_rollout": steps, "hf_checkpoint": base, "output_dir": str(target.parent)}
-    ).args
-    data = encode_sft_dataset(args)
-    owns_group = not dist.is_initialized()
-    trainer = Trainer(args, 0, 1, "127.0.0.1", _free_port(), total_steps=steps)
-    generator = torch.Generator().manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    try:
-        from rich.progress import Progress
-
-        with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task(f"building {name} ({steps} SFT steps)", total=steps)
-            for _ in range(steps):
-                rows = rng.choice(len(data), int(args.global_batch_size), replace=False).tolist()
-                x0, samples = data.batch(rows, generator)
-                trainer.train_sft(x0, samples)
-                bar.advance(task)
-        trainer.export_pipeline(str(target))
-        stamp = {"name": name, "sft_steps": steps, "recipe": recipe, "base": base}
-        atomic_write_text(target / STAMP_FILE, json.dumps(stamp, indent=2) + "\n")
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-    return target

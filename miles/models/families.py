@@ -32,7 +32,7 @@ CHECKPOINT_FLAG = "--hf-checkpoint"
 
 _REGISTRY: dict[str, type[TrainPipelineConfig]] = {}
 _BUILTIN_MODULES = (
-    "miles.models.sd3",
+    "miles.models.sd3.config",
     "miles.models.flux.config",
     "miles.models.qwen_image.config",
     "miles.models.pending_families",

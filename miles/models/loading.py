@@ -1,9 +1,20 @@
-"""Loading diffusers/transformers components quietly (no per-component progress bars or info logs)."""
+"""Loading diffusers/transformers components quietly (no per-component progress bars or info logs), and
+the torch dtypes the `--*-dtype` flags name."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+def torch_dtype(name: str) -> Any:
+    """`fp32` / `bf16` / `fp16` -> the torch dtype."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 @contextlib.contextmanager

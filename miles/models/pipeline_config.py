@@ -156,8 +156,6 @@ class TrainPipelineConfig:
 
         import numpy as np
 
-        from miles.rollout.sde import scheduler_schedule
-
         config = scheduler.config
         if flow_shift is not None:
             overrides: dict[str, Any] = {"shift": float(flow_shift)}
@@ -414,3 +412,21 @@ def dynamic_shift_mu(image_seq_len: int, config: Mapping[str, Any]) -> float:
     max_shift = config.get("max_shift", 1.15)
     slope = (max_shift - base_shift) / (max_len - base_len)
     return image_seq_len * slope + (base_shift - slope * base_len)
+
+
+def scheduler_schedule(scheduler: Any) -> tuple[Any, Any]:
+    """`(sigmas [T+1], timesteps [T])` of a live diffusers-style scheduler after `set_timesteps`, fp32 CPU copies.
+
+    Duck-typed (anything with `.sigmas` and `.timesteps`), so nothing here imports diffusers.
+    Prefer these stored values over recomputing sigmas from timesteps / 1000, which drifts by ULPs.
+    """
+    import torch
+
+    sigmas = torch.as_tensor(scheduler.sigmas).detach().to("cpu", torch.float32).clone()
+    timesteps = torch.as_tensor(scheduler.timesteps).detach().to("cpu", torch.float32).clone()
+    if sigmas.ndim != 1 or timesteps.ndim != 1 or sigmas.shape[0] != timesteps.shape[0] + 1:
+        raise ValueError(
+            f"expected sigmas [T+1] and timesteps [T], got {tuple(sigmas.shape)} and {tuple(timesteps.shape)}; "
+            "call scheduler.set_timesteps first"
+        )
+    return sigmas, timesteps

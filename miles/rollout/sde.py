@@ -107,22 +107,6 @@ def sigmas_to_timesteps(sigmas: torch.Tensor, num_train_timesteps: int = 1000) -
     return sigmas[:-1].to(torch.float32) * num_train_timesteps
 
 
-def scheduler_schedule(scheduler) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(sigmas [T+1], timesteps [T])` of a live diffusers-style scheduler after `set_timesteps`, fp32 CPU copies.
-
-    Duck-typed (anything with `.sigmas` and `.timesteps`), so this module never imports diffusers.
-    Prefer these stored values over recomputing sigmas from timesteps / 1000, which drifts by ULPs.
-    """
-    sigmas = torch.as_tensor(scheduler.sigmas).detach().to("cpu", torch.float32).clone()
-    timesteps = torch.as_tensor(scheduler.timesteps).detach().to("cpu", torch.float32).clone()
-    if sigmas.ndim != 1 or timesteps.ndim != 1 or sigmas.shape[0] != timesteps.shape[0] + 1:
-        raise ValueError(
-            f"expected sigmas [T+1] and timesteps [T], got {tuple(sigmas.shape)} and {tuple(timesteps.shape)}; "
-            "call scheduler.set_timesteps first"
-        )
-    return sigmas, timesteps
-
-
 # --------------------------------------------------------------------------------------------------
 # Step
 # --------------------------------------------------------------------------------------------------

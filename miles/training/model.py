@@ -11,10 +11,11 @@ import torch
 
 from miles.models.checkpoints import ensure_checkpoint
 from miles.models.families import resolve_family
+from miles.models.loading import DTYPE_NAMES, torch_dtype
 from miles.models.lora_sync import merge_lora_weight
 from miles.models.pipeline_config import TrainPipelineConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}
 
 
 def family_of(args: Any) -> TrainPipelineConfig:

@@ -81,7 +81,7 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     from miles.data.builtin import is_builtin_dataset, resolve_dataset
     from miles.models.checkpoints import ensure_checkpoint
     from miles.models.loading import quiet_loading
-    from miles.models.tiny_sd3.metadata import max_sequence_length
+    from miles.models.tiny.metadata import max_sequence_length
     from miles.training.model import family_of
 
     spec = args.prompt_data

@@ -18,7 +18,7 @@ from miles.models.families import (
     trainable_families,
 )
 from miles.models.pipeline_config import TrainPipelineConfig
-from miles.models.sd3 import SD3_LORA_TARGET_MODULES, SD3TrainPipelineConfig
+from miles.models.sd3.config import SD3_LORA_TARGET_MODULES, SD3TrainPipelineConfig
 
 
 def test_registered_keys():
@@ -129,7 +129,7 @@ def user_module(tmp_path, monkeypatch):
     (tmp_path / "my_miles_family.py").write_text(
         textwrap.dedent(
             """
-            from miles.models.sd3 import SD3TrainPipelineConfig
+            from miles.models.sd3.config import SD3TrainPipelineConfig
 
             class MyConfig(SD3TrainPipelineConfig):
                 name = "mine"
@@ -207,7 +207,8 @@ def test_untrainable_family_is_a_config_error(kwargs, where):
 def test_torch_free_imports():
     code = (
         "import sys\n"
-        "import miles.models.families as f, miles.models.checkpoints, miles.models.tiny_sd3 as t\n"
+        "import miles.models.families as f, miles.models.checkpoints, miles.models.sd3\n"
+        "import miles.models.tiny.metadata as t\n"
         "import miles.data, miles_cli.models_cmd, miles_cli.data_cmd\n"
         "assert f.resolve_family('tiny-sd3', env={}).name == 'sd3'\n"
         "assert miles.data.is_builtin_dataset('digits:train')\n"

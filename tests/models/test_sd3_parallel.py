@@ -1,4 +1,4 @@
-"""miles' SD3 joint-attention processor (`miles.models.sd3_parallel`) on one process: the attention backend
+"""miles' SD3 joint-attention processor (`miles.models.sd3.parallel`) on one process: the attention backend
 really changes the kernel and nothing else, and what the family interface refuses. (Sequence parallelism
 across ranks: tests/training/test_parallel.py.)"""
 
@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.config.errors import ConfigError
 from miles.models.pipeline_config import TrainPipelineConfig
-from miles.models.sd3 import SD3TrainPipelineConfig
-from miles.models.sd3_parallel import JointAttention, check_heads, check_tokens
+from miles.models.sd3.config import SD3TrainPipelineConfig
+from miles.models.sd3.parallel import JointAttention, check_heads, check_tokens
 
 FUSED = "aten::_scaled_dot_product_flash_attention_for_cpu"  # what SDPA picks on the CPU by default
 

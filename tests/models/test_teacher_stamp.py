@@ -9,7 +9,7 @@ import pytest
 
 from miles.models.checkpoints import is_complete
 from miles.models.digits_teachers import SFT_TEACHERS, STAMP_FILE, built_steps
-from miles.models.tiny_sd3.metadata import METADATA_FILE
+from miles.models.tiny.metadata import METADATA_FILE
 
 SHORT = "tiny-sd3-digits-sft-short"
 

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from miles.models.tiny_sd3.metadata import TINY_METADATA_FILE, default_resolution, max_sequence_length, read_metadata
+from miles.models.tiny.metadata import TINY_METADATA_FILE, default_resolution, max_sequence_length, read_metadata
 
 FAST_VAE_STEPS = 10
 COMPONENTS = ("transformer", "vae", "scheduler", "text_encoder", "text_encoder_2")
@@ -246,7 +246,7 @@ def test_default_build_fits_the_vae_and_is_deterministic(tiny_flux_dir, fast_flu
     from diffusers import AutoencoderKL
 
     from miles.data.digits import load_digits_split
-    from miles.models.tiny_sd3.vae_fit import VAE_STEPS, digits_to_vae_input
+    from miles.models.tiny.vae_fit import VAE_STEPS, digits_to_vae_input
     from miles.rollout.rm_hub.digit import read_classifier_metadata
 
     assert tiny_flux_dir == miles_session_home / "models" / "tiny-flux"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from miles.models.tiny_sd3.metadata import TINY_METADATA_FILE
+from miles.models.tiny.metadata import TINY_METADATA_FILE
 
 DIGIT_PROMPT = "a handwritten digit 3"
 
@@ -98,7 +98,7 @@ def tiny_qwen_pipeline(tiny_qwen_dir):
 
 @pytest.mark.slow
 def test_layout_and_metadata(tiny_qwen_dir):
-    from miles.models.tiny_sd3.metadata import max_sequence_length, read_metadata
+    from miles.models.tiny.metadata import max_sequence_length, read_metadata
 
     for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer", "digit_classifier"):
         assert (tiny_qwen_dir / sub).is_dir(), sub
@@ -124,7 +124,7 @@ def test_pipeline_two_step_true_cfg(tiny_qwen_dir, tiny_qwen_pipeline):
     import numpy as np
     import torch
 
-    from miles.models.tiny_sd3.metadata import max_sequence_length
+    from miles.models.tiny.metadata import max_sequence_length
 
     pipe = tiny_qwen_pipeline
     msl = max_sequence_length(tiny_qwen_dir)
@@ -200,7 +200,7 @@ def test_seeded_vae_fit_is_deterministic():
     """Two short fits of the 1-frame video VAE from the same seed give the same weights."""
     from miles.data.digits import load_digits_split
     from miles.models.qwen_image.tiny import digits_to_video_input, make_vae, single_frame_convs
-    from miles.models.tiny_sd3.vae_fit import fit_vae
+    from miles.models.tiny.vae_fit import fit_vae
 
     videos = digits_to_video_input(load_digits_split().train_x[:16])
     states = []

@@ -9,7 +9,7 @@ import pytest
 
 from miles.config.errors import ConfigError
 from miles.models.checkpoints import ensure_checkpoint
-from miles.models.tiny_sd3 import METADATA_FILE, default_resolution, max_sequence_length, read_metadata
+from miles.models.tiny.metadata import METADATA_FILE, default_resolution, max_sequence_length, read_metadata
 
 COMPONENTS = ("transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
@@ -79,7 +79,7 @@ def test_pipeline_loads_and_generates(tiny_sd3_dir, monkeypatch):
 def test_vae_reconstructs_digits(tiny_sd3_pipeline, digits_split, digit_classifier):
     import torch
 
-    from miles.models.tiny_sd3.vae_fit import digits_to_vae_input
+    from miles.models.tiny.vae_fit import digits_to_vae_input
     from miles.rollout.rm_hub.digit_metrics import digit_accuracy
 
     vae = tiny_sd3_pipeline.vae
@@ -158,7 +158,7 @@ def _fake_build(calls):
         calls.append(seed)
         (tmp / "model_index.json").write_text("{}")
         (tmp / METADATA_FILE).write_text(json.dumps({"name": "tiny-sd3", "max_sequence_length": 8, "resolution": 64}))
-        from miles.models.tiny_sd3.builder import BuildReport
+        from miles.models.tiny.build import BuildReport
 
         return BuildReport(out_dir=tmp, seconds=0.0)
 
@@ -166,7 +166,7 @@ def _fake_build(calls):
 
 
 def test_ensure_checkpoint_is_atomic_and_cached(miles_home, monkeypatch):
-    from miles.models.tiny_sd3 import builder
+    from miles.models.sd3 import tiny as builder
 
     def interrupted(tmp, seed, progress, vae_steps):
         (tmp / "model_index.json").write_text("{}")
@@ -197,7 +197,7 @@ def test_ensure_checkpoint_rejects_a_partial_dir(miles_home):
 def test_models_cli(tiny_sd3_dir, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from miles.models.tiny_sd3 import builder
+    from miles.models.sd3 import tiny as builder
     from miles_cli.models_cmd import app
 
     runner = CliRunner()

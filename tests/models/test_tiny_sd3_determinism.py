@@ -20,7 +20,7 @@ def _state_hash(module) -> str:
 
 
 def test_tokenizer_files_are_deterministic(tmp_path):
-    from miles.models.tiny_sd3.tokenizers import save_tokenizers
+    from miles.models.tiny.tokenizers import save_tokenizers
 
     ids_a = save_tokenizers(tmp_path / "a")
     ids_b = save_tokenizers(tmp_path / "b")
@@ -30,7 +30,8 @@ def test_tokenizer_files_are_deterministic(tmp_path):
 
 
 def test_component_inits_are_seeded():
-    from miles.models.tiny_sd3 import components as C
+    from miles.models.sd3.tiny import make_transformer
+    from miles.models.tiny import components as C
 
     tok = {
         "clip_vocab_size": 638,
@@ -41,8 +42,8 @@ def test_component_inits_are_seeded():
         "t5_pad_id": 0,
         "t5_eos_id": 1,
     }
-    assert _state_hash(C.make_transformer(0)) == _state_hash(C.make_transformer(0))
-    assert _state_hash(C.make_transformer(0)) != _state_hash(C.make_transformer(1))
+    assert _state_hash(make_transformer(0)) == _state_hash(make_transformer(0))
+    assert _state_hash(make_transformer(0)) != _state_hash(make_transformer(1))
     te = _state_hash(C.make_clip_text_encoder(0, "text_encoder", tok))
     assert te == _state_hash(C.make_clip_text_encoder(0, "text_encoder", tok))
     assert te != _state_hash(C.make_clip_text_encoder(0, "text_encoder_2", tok))
@@ -50,8 +51,8 @@ def test_component_inits_are_seeded():
 
 
 def test_vae_fit_is_deterministic(digits_split):
-    from miles.models.tiny_sd3 import components as C
-    from miles.models.tiny_sd3.vae_fit import digits_to_vae_input, fit_vae
+    from miles.models.tiny import components as C
+    from miles.models.tiny.vae_fit import digits_to_vae_input, fit_vae
 
     images = digits_to_vae_input(digits_split.train_x[:32])
     hashes, losses = [], []
@@ -65,10 +66,10 @@ def test_vae_fit_is_deterministic(digits_split):
 def test_built_transformer_is_the_seeded_init(tiny_sd3_dir):
     from safetensors.torch import load_file
 
-    from miles.models.tiny_sd3 import components as C
+    from miles.models.sd3.tiny import make_transformer
 
     saved = load_file(tiny_sd3_dir / "transformer" / "diffusion_pytorch_model.safetensors")
-    init = C.make_transformer(0).state_dict()
+    init = make_transformer(0).state_dict()
     assert saved.keys() == init.keys()
     assert all(bool((saved[k] == init[k]).all()) for k in saved)
 
@@ -76,7 +77,7 @@ def test_built_transformer_is_the_seeded_init(tiny_sd3_dir):
 @pytest.mark.slow
 @pytest.mark.extended  # ~40 s; the seeded inits, tokenizers and VAE fit are checked above in the default run
 def test_full_rebuild_is_byte_identical(tiny_sd3_dir, tmp_path):
-    from miles.models.tiny_sd3.builder import build_tiny_sd3
+    from miles.models.sd3.tiny import build_tiny_sd3
 
     build_tiny_sd3(tmp_path / "again", seed=0, progress=False)
     ours, theirs = _files(tmp_path / "again"), _files(tiny_sd3_dir)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
+from miles.models.pipeline_config import scheduler_schedule
 from miles.rollout.sde import (
     draw_noise,
-    scheduler_schedule,
     sd3_sigmas,
     sde_step,
     shift_sigmas,

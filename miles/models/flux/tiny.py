@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.loading import quiet_loading
-from miles.models.tiny_sd3 import components as C
-from miles.models.tiny_sd3.builder import BuildReport, _Progress, build_atomically, library_versions, phase_timer
-from miles.models.tiny_sd3.metadata import FORMAT_VERSION, TINY_MAX_SEQUENCE_LENGTH, TINY_METADATA_FILE
-from miles.models.tiny_sd3.vae_fit import VAE_BATCH_SIZE, VAE_LR, VAE_STEPS
+from miles.models.tiny import components as C
+from miles.models.tiny.build import BuildReport, Progress, build_atomically, library_versions, phase_timer
+from miles.models.tiny.metadata import FORMAT_VERSION, TINY_MAX_SEQUENCE_LENGTH, TINY_METADATA_FILE
+from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR, VAE_STEPS
 
 __all__ = ["TINY_FLUX_NAME", "BuildReport", "build_tiny_flux"]
 
@@ -61,15 +61,8 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
-class _FluxProgress(_Progress):
-    """tiny-sd3's phase progress bar, labelled tiny-flux (the phases are the same)."""
-
-    def __init__(self, enabled: bool, vae_steps: int):
-        super().__init__(enabled, vae_steps)
-        if self.bar is not None:
-            from rich.progress import TextColumn
-
-            self.bar.columns = (TextColumn(f"[bold]{TINY_FLUX_NAME}[/] {{task.description}}"), *self.bar.columns[1:])
+class _FluxProgress(Progress):
+    label = TINY_FLUX_NAME
 
 
 def _seeded(seed: int, name: str) -> None:
@@ -140,7 +133,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
         with phase("tokenizers"):
             import torch
 
-            from miles.models.tiny_sd3.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+            from miles.models.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
             clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
             ids = {
@@ -159,7 +152,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             transformer = make_transformer(seed)
         with phase("data"):
             from miles.data.digits import load_digits_split
-            from miles.models.tiny_sd3 import vae_fit
+            from miles.models.tiny import vae_fit
 
             split = load_digits_split()
             train_images = vae_fit.digits_to_vae_input(split.train_x)
@@ -218,7 +211,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
 def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: float, report: BuildReport) -> None:
 
     from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
-    from miles.models.tiny_sd3.tokenizers import CLIP_MAX_LENGTH
+    from miles.models.tiny.tokenizers import CLIP_MAX_LENGTH
 
     meta = {
         "name": TINY_FLUX_NAME,

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.loading import quiet_loading
-from miles.models.tiny_sd3.builder import BuildReport, _Progress, build_atomically, library_versions, phase_timer
-from miles.models.tiny_sd3.metadata import FORMAT_VERSION, TINY_METADATA_FILE
-from miles.models.tiny_sd3.vae_fit import VAE_BATCH_SIZE, VAE_LR
+from miles.models.tiny.build import BuildReport, Progress, build_atomically, library_versions, phase_timer
+from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE
+from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR
 
 __all__ = ["TINY_QWEN_IMAGE_NAME", "BuildReport", "build_tiny_qwen_image"]
 
@@ -74,16 +74,8 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
-class _QwenImageProgress(_Progress):
-    """tiny-sd3's phase progress bar, labelled tiny-qwen-image (the phases are the same)."""
-
-    def __init__(self, enabled: bool, vae_steps: int):
-        super().__init__(enabled, vae_steps)
-        if self.bar is not None:
-            from rich.progress import TextColumn
-
-            label = TextColumn(f"[bold]{TINY_QWEN_IMAGE_NAME}[/] {{task.description}}")
-            self.bar.columns = (label, *self.bar.columns[1:])
+class _QwenImageProgress(Progress):
+    label = TINY_QWEN_IMAGE_NAME
 
 
 def _seeded(seed: int, name: str) -> None:
@@ -214,7 +206,7 @@ def single_frame_convs(vae: Any) -> Iterator[Any]:
 
 def digits_to_video_input(x8: Any) -> Any:
     """(N, 8, 8) numpy digits in [0, 1] -> (N, 3, 1, 64, 64) float32 1-frame videos in [-1, 1]."""
-    from miles.models.tiny_sd3.vae_fit import digits_to_vae_input
+    from miles.models.tiny.vae_fit import digits_to_vae_input
 
     return digits_to_vae_input(x8)[:, :, None].contiguous()
 
@@ -222,7 +214,7 @@ def digits_to_video_input(x8: Any) -> Any:
 def set_latent_statistics(vae: Any, videos: Any) -> tuple[list[float], list[float]]:
     """Set per-channel `latents_mean` / `latents_std` from the posterior means of `videos`, so the
     pipeline's `(z - mean) / std` is zero-mean, unit-variance per channel on the data."""
-    from miles.models.tiny_sd3.vae_fit import encode_mean
+    from miles.models.tiny.vae_fit import encode_mean
 
     latents = encode_mean(vae, videos).double().transpose(0, 1).flatten(1)  # [z_dim, N * F * h * w]
     mean = [round(float(v), 6) for v in latents.mean(dim=1)]
@@ -254,7 +246,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
 
             from miles.data.digits import NUM_LABELS, prompt_for
             from miles.models.qwen_image import tokenizer as qtok
-            from miles.models.tiny_sd3.tokenizers import prompt_corpus
+            from miles.models.tiny.tokenizers import prompt_corpus
 
             template, drop = qtok.qwen_image_prompt_template()
             tokenizer = qtok.build_qwen_tokenizer(template)
@@ -270,7 +262,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             transformer = make_transformer(seed)
         with phase("data"):
             from miles.data.digits import load_digits_split
-            from miles.models.tiny_sd3 import vae_fit
+            from miles.models.tiny import vae_fit
 
             split = load_digits_split()
             train_videos = digits_to_video_input(split.train_x)

@@ -19,7 +19,7 @@ from functools import lru_cache
 from itertools import pairwise
 from typing import Any
 
-from miles.models.tiny_sd3.tokenizers import _byte_alphabet, prompt_corpus
+from miles.models.tiny.tokenizers import _byte_alphabet, prompt_corpus
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"

@@ -17,7 +17,7 @@ from miles.models.checkpoints import ensure_checkpoint
 from miles.models.families import resolve_family
 from miles.models.loading import quiet_loading
 from miles.models.lora_sync import LoraMerger, is_lora_entry
-from miles.models.tiny_sd3.metadata import max_sequence_length
+from miles.models.tiny.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.sde import sde_step
 from miles.rollout.seeds import cpu_generator

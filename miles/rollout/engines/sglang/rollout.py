@@ -59,7 +59,7 @@ class SglangRollout:
         import ray
 
         from miles.models.checkpoints import ensure_checkpoint
-        from miles.models.tiny_sd3.metadata import max_sequence_length
+        from miles.models.tiny.metadata import max_sequence_length
         from miles.rollout.engines.sglang.engine import engine_actor_class
         from miles.rollout.engines.sglang.server import resolve_sglang_python
         from miles.rollout.router import MilesRouter, RouterConfig
@@ -417,9 +417,9 @@ class SglangRollout:
 
 
 def _dtype(name: str) -> Any:
-    from miles.training.model import DTYPES
+    from miles.models.loading import torch_dtype
 
-    return DTYPES[name]
+    return torch_dtype(name)
 
 
 def _failure_line(exc: BaseException) -> str:

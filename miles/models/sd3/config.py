@@ -71,15 +71,15 @@ class SD3TrainPipelineConfig(TrainPipelineConfig):
             return positive, None
         return positive, {"encoder_hidden_states": neg, "pooled_projections": neg_pooled}
 
-    # ---- training-side parallelism (miles.models.sd3_parallel: diffusers' SD3 processor has neither) ----
+    # ---- training-side parallelism (miles.models.sd3.parallel: diffusers' SD3 processor has neither) ----
     def enable_sequence_parallel(self, model: Any, group: Any) -> None:
         """Ulysses over `group`: image tokens split after the patch embedding, gathered after `proj_out`."""
-        from miles.models.sd3_parallel import enable_sequence_parallel
+        from miles.models.sd3.parallel import enable_sequence_parallel
 
         enable_sequence_parallel(model, group)
 
     def set_attention_backend(self, model: Any, backend: str) -> None:
         """miles' joint-attention processor, dispatching to `backend` through `dispatch_attention_fn`."""
-        from miles.models.sd3_parallel import set_attention_backend
+        from miles.models.sd3.parallel import set_attention_backend
 
         set_attention_backend(model, backend)

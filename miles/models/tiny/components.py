@@ -1,4 +1,7 @@
-"""The tiny-sd3 components at toy size, each initialised from its own seed.
+"""The components the tiny builds share (CLIP and T5 text encoders, the 8x AutoencoderKL), at toy size,
+each initialised from its own seed; tiny-sd3 uses all of them, tiny-flux the T5 and the VAE.
+
+The sizes below are tiny-sd3's; its transformer and scheduler live in `miles.models.sd3.tiny`.
 
 Sizes (SD3 layout, three text encoders so sglang-diffusion's native SD3 pipeline can serve it):
   text_encoder / text_encoder_2: CLIPTextModelWithProjection, hidden 32, 2 layers, 4 heads,
@@ -27,7 +30,7 @@ IMAGE_SIZE = LATENT_SIZE * 2 ** (len(VAE_BLOCKS) - 1)
 SEED_OFFSETS = {"text_encoder": 1, "text_encoder_2": 2, "text_encoder_3": 3, "transformer": 4, "vae": 5}
 
 
-def _seeded(seed: int, name: str) -> None:
+def seeded(seed: int, name: str) -> None:
     import torch
 
     torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
@@ -49,7 +52,7 @@ def make_clip_text_encoder(seed: int, name: str, tok: dict[str, int]) -> Any:
         pad_token_id=tok["clip_pad_id"],
         hidden_act="quick_gelu",
     )
-    _seeded(seed, name)
+    seeded(seed, name)
     return CLIPTextModelWithProjection(config).eval()
 
 
@@ -72,33 +75,14 @@ def make_t5_encoder(seed: int, tok: dict[str, int]) -> Any:
         is_encoder_decoder=False,
         use_cache=False,
     )
-    _seeded(seed, "text_encoder_3")
+    seeded(seed, "text_encoder_3")
     return T5EncoderModel(config).eval()
-
-
-def make_transformer(seed: int) -> Any:
-    from diffusers import SD3Transformer2DModel
-
-    _seeded(seed, "transformer")
-    return SD3Transformer2DModel(
-        sample_size=LATENT_SIZE,
-        patch_size=2,
-        in_channels=LATENT_CHANNELS,
-        out_channels=LATENT_CHANNELS,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        joint_attention_dim=JOINT_ATTENTION_DIM,
-        caption_projection_dim=64,
-        pooled_projection_dim=POOLED_PROJECTION_DIM,
-        pos_embed_max_size=16,
-    )
 
 
 def make_vae(seed: int) -> Any:
     from diffusers import AutoencoderKL
 
-    _seeded(seed, "vae")
+    seeded(seed, "vae")
     n = len(VAE_BLOCKS)
     return AutoencoderKL(
         in_channels=3,
@@ -116,12 +100,6 @@ def make_vae(seed: int) -> Any:
         use_post_quant_conv=False,
         mid_block_add_attention=False,
     )
-
-
-def make_scheduler() -> Any:
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
 
 
 def count_params(module: Any) -> int:

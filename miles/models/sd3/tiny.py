@@ -11,66 +11,24 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from miles.models.loading import quiet_loading
-from miles.models.tiny_sd3 import components as C
-from miles.models.tiny_sd3.metadata import (
+from miles.models.tiny import components as C
+from miles.models.tiny.build import BuildReport, Progress, build_atomically, library_versions, phase_timer
+from miles.models.tiny.metadata import (
     FORMAT_VERSION,
     METADATA_FILE,
     TINY_MAX_SEQUENCE_LENGTH,
     TINY_SD3_NAME,
 )
-from miles.models.tiny_sd3.vae_fit import VAE_BATCH_SIZE, VAE_LR, VAE_STEPS
-
-PHASES = ("tokenizers", "text encoders", "transformer", "data", "vae fit", "vae stats", "classifier", "save")
+from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR, VAE_STEPS
 
 
-@dataclass
-class BuildReport:
-    out_dir: Path
-    seconds: float
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    classifier_test_accuracy: float = 0.0
-    vae_test_mse: float = 0.0
-    vae_recon_accuracy: float = 0.0
-    params: dict[str, int] = field(default_factory=dict)
-
-
-class _Progress:
-    """A rich progress bar over the phases (the VAE fit counts one unit per step), or nothing."""
-
-    def __init__(self, enabled: bool, vae_steps: int):
-        self.bar = None
-        self.task = None
-        if enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn("[bold]tiny-sd3[/] {task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
-            )
-            self.task = self.bar.add_task("", total=len(PHASES) - 1 + vae_steps)
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-    def describe(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, description=text)
-
-    def advance(self, n: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task, n)
+class _SD3Progress(Progress):
+    label = TINY_SD3_NAME
 
 
 def build_tiny_sd3(
@@ -80,61 +38,16 @@ def build_tiny_sd3(
     return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
 
 
-def build_atomically(out_dir: str | Path, build_into: Callable[[Path], BuildReport]) -> BuildReport:
-    """Every tiny build's frame: refuse a non-empty `out_dir`, run `build_into` in a temp sibling that is
-    renamed into place (an interrupted build leaves nothing), and report the final directory."""
-    from miles.utils.paths import atomic_directory
-
-    out = Path(out_dir).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory")
-    with atomic_directory(out) as tmp:
-        report = build_into(tmp)
-    report.out_dir = out
-    return report
-
-
-def phase_timer(timings: dict[str, float], bar: _Progress):
-    """`with phase(name[, advance=False]):` shows `name` on `bar`, records its seconds in `timings` and
-    advances the bar one unit (a phase that advances per step itself passes advance=False)."""
-
-    @contextmanager
-    def phase(name: str, advance: bool = True) -> Iterator[None]:
-        bar.describe(name)
-        t0 = time.perf_counter()
-        yield
-        timings[name] = round(time.perf_counter() - t0, 3)
-        if advance:
-            bar.advance()
-
-    return phase
-
-
-def library_versions() -> dict[str, str]:
-    """The versions a tiny build's metadata records."""
-    import diffusers
-    import sklearn
-    import torch
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "transformers": transformers.__version__,
-        "scikit-learn": sklearn.__version__,
-    }
-
-
 def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
     start = time.perf_counter()
     timings: dict[str, float] = {}
 
-    with _Progress(progress, vae_steps) as bar:
+    with _SD3Progress(progress, vae_steps) as bar:
         phase = phase_timer(timings, bar)
         with phase("tokenizers"):
             import torch
 
-            from miles.models.tiny_sd3.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+            from miles.models.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
             clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
             ids = {
@@ -151,10 +64,10 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             te2 = C.make_clip_text_encoder(seed, "text_encoder_2", ids)
             te3 = C.make_t5_encoder(seed, ids)
         with phase("transformer"):
-            transformer = C.make_transformer(seed)
+            transformer = make_transformer(seed)
         with phase("data"):
             from miles.data.digits import load_digits_split
-            from miles.models.tiny_sd3 import vae_fit
+            from miles.models.tiny import vae_fit
 
             split = load_digits_split()
             train_images = vae_fit.digits_to_vae_input(split.train_x)
@@ -181,7 +94,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
 
             pipe = StableDiffusion3Pipeline(
                 transformer=transformer,
-                scheduler=C.make_scheduler(),
+                scheduler=make_scheduler(),
                 vae=vae,
                 text_encoder=te1,
                 tokenizer=clip_tok,
@@ -216,7 +129,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
 def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: float, report: BuildReport) -> None:
 
     from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
-    from miles.models.tiny_sd3.tokenizers import CLIP_MAX_LENGTH
+    from miles.models.tiny.tokenizers import CLIP_MAX_LENGTH
 
     meta = {
         "name": TINY_SD3_NAME,
@@ -246,3 +159,28 @@ def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: f
         "versions": library_versions(),
     }
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def make_transformer(seed: int) -> Any:
+    from diffusers import SD3Transformer2DModel
+
+    C.seeded(seed, "transformer")
+    return SD3Transformer2DModel(
+        sample_size=C.LATENT_SIZE,
+        patch_size=2,
+        in_channels=C.LATENT_CHANNELS,
+        out_channels=C.LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=C.JOINT_ATTENTION_DIM,
+        caption_projection_dim=64,
+        pooled_projection_dim=C.POOLED_PROJECTION_DIM,
+        pos_embed_max_size=16,
+    )
+
+
+def make_scheduler() -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
