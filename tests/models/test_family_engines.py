@@ -212,3 +212,31 @@ def test_qwen_text_of_different_lengths_is_padded_and_masked(tiny_qwen_image_dir
                 pipe.transformer, x[b : b + 1], t[b : b + 1], family.collate_conditions([rows[b]])
             )
             assert (together[b] - alone[0]).abs().max().item() <= 1e-5
+
+
+def test_evaluation_requests_of_different_prompts_batch_to_their_lone_outputs(case) -> None:
+    """Evaluation requests (ODE) of prompts of different text lengths run as one batch when the microgroup
+    size allows; each image equals the one its request makes alone."""
+    from dataclasses import replace
+
+    from miles.rollout.engines.diffusers_engine import eval_batches
+
+    name, engine, _ = case
+    prompts = ("a handwritten digit 3", "white strokes on a black background, the digit seven", "the digit 1")
+    reqs = []
+    for g, prompt in enumerate(prompts):
+        base = _request(engine, 0.0, [[]] * (2 if g == 1 else 1), seeds=(7 + g, 20 + g)[: 2 if g == 1 else 1])
+        reqs.append(replace(base, prompt=prompt, group_index=g, evaluation=True, sde_type="ode"))
+    assert [len(b) for b in eval_batches(reqs, 4)] == [3]
+    alone = [engine.generate([r]) for r in reqs]
+    saved = engine.args.rollout_microgroup_size
+    engine.args.rollout_microgroup_size = 4
+    try:
+        together = engine.generate(reqs)
+    finally:
+        engine.args.rollout_microgroup_size = saved
+    flat = [s for samples in alone for s in samples]
+    assert [(s.group_index, s.seed, s.prompt) for s in together] == [(s.group_index, s.seed, s.prompt) for s in flat]
+    for a, b in zip(flat, together, strict=True):
+        assert (a.image - b.image).abs().max().item() <= 1e-5, name
+        assert a.conditions is None and b.trajectory is None

@@ -27,6 +27,39 @@ from miles.utils.offload import own_memory
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def eval_batches(requests: list[GenerateRequest], max_samples: int) -> list[list[GenerateRequest]]:
+    """Requests in order, each alone, except that consecutive evaluation requests that agree on everything
+    but prompt and seeds share a batch of at most `max_samples` samples (ODE, nothing recorded per step)."""
+    batches: list[list[GenerateRequest]] = []
+    for req in requests:
+        last = batches[-1] if batches else None
+        if (
+            last is not None
+            and req.evaluation
+            and last[0].evaluation
+            and _batch_key(req) == _batch_key(last[0])
+            and req.extra == last[0].extra
+            and sum(len(r.seeds) for r in last) + len(req.seeds) <= max(1, max_samples)
+        ):
+            last.append(req)
+        else:
+            batches.append([req])
+    return batches
+
+
+def _batch_key(req: GenerateRequest) -> tuple[Any, ...]:
+    return (
+        req.num_steps,
+        req.height,
+        req.width,
+        req.guidance_scale,
+        req.true_cfg_scale,
+        req.negative_prompt,
+        req.noise_level,
+        req.sde_type,
+    )
+
+
 class DiffusersEngine:
     """Samples denoising trajectories with exact per-step log-probs from a diffusers pipeline."""
 
@@ -123,10 +156,12 @@ class DiffusersEngine:
 
     @torch.no_grad()
     def generate(self, requests: list[GenerateRequest]) -> list[Sample]:
-        """Run each microgroup; return the completed samples in request order."""
+        """Run each microgroup; return the completed samples in request order. Evaluation requests (ODE, no
+        trajectory) that agree on size, steps and guidance run together, up to `--rollout-microgroup-size`
+        samples per forward, whatever their prompts."""
         out: list[Sample] = []
-        for request in requests:
-            out.extend(self._generate_microgroup(request))
+        for batch in eval_batches(requests, int(self.args.rollout_microgroup_size)):
+            out.extend(self._generate_microgroup(batch))
         return out
 
     def generate_guest(self, args: Any, requests: list[GenerateRequest]) -> list[Sample]:
@@ -145,30 +180,39 @@ class DiffusersEngine:
 
         return generate_few_step(self, requests)
 
-    def _generate_microgroup(self, req: GenerateRequest) -> list[Sample]:
+    def _generate_microgroup(self, reqs: list[GenerateRequest]) -> list[Sample]:
+        """One microgroup (a prompt's samples), or several evaluation requests batched by `eval_batches`:
+        every row its own seed, the text conditions encoded once per prompt."""
         start = time.perf_counter()
         family, pipe = self.family, self.pipe
-        m = len(req.seeds)
+        req = reqs[0]  # the batch shares everything but prompts and seeds
+        seeds = [seed for r in reqs for seed in r.seeds]
+        m = len(seeds)
         cfg_scale = family.cfg_scale(req.guidance_scale, req.true_cfg_scale)
         do_cfg = cfg_scale > 1.0
         pos, neg = family.encode_prompts(
             pipe,
-            [req.prompt],
+            [r.prompt for r in reqs],
             req.negative_prompt,
             do_cfg,
             self.max_sequence_length,
             guidance=family.embedded_guidance(req.guidance_scale),
         )
-        cond_batch = {k: v.expand(m, *v.shape[1:]) for k, v in pos.items()}
-        neg_batch = {k: v.expand(m, *v.shape[1:]) for k, v in neg.items()} if neg is not None else None
+        if len(reqs) == 1:
+            cond_batch = {k: v.expand(m, *v.shape[1:]) for k, v in pos.items()}
+            neg_batch = {k: v.expand(m, *v.shape[1:]) for k, v in neg.items()} if neg is not None else None
+        else:
+            rows = torch.tensor([p for p, r in enumerate(reqs) for _ in r.seeds])
+            cond_batch = {k: v[rows.to(v.device)] for k, v in pos.items()}
+            neg_batch = {k: v[rows.to(v.device)] for k, v in neg.items()} if neg is not None else None
 
         shape = family.latent_shape(pipe, req.height, req.width)
         sigmas, timesteps = self._schedule(req.num_steps, shape)
-        generators = [cpu_generator(seed) for seed in req.seeds]
+        generators = [cpu_generator(seed) for seed in seeds]
         x = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
         record = not req.evaluation
         latents = [x] if record else []
-        sde_sets = [set(steps) for steps in req.sde_steps]
+        sde_sets = [set(steps) for r in reqs for steps in r.sde_steps]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(m)]
         sigma_max = sigmas[1] if sigmas.shape[0] > 1 else sigmas[0]
 
@@ -214,7 +258,8 @@ class DiffusersEngine:
         stored_cfg = cfg_scale if do_cfg else 1.0
         pos_rows = {k: v[0].detach().float().cpu() for k, v in pos.items()}
         neg_rows = {k: v[0].detach().float().cpu() for k, v in neg.items()} if neg is not None else None
-        for b in range(m):
+        owners = [(r, j) for r in reqs for j in range(len(r.seeds))]
+        for b, (owner, j) in enumerate(owners):
             trajectory = None
             if stacked is not None:
                 trajectory = Trajectory(
@@ -227,8 +272,8 @@ class DiffusersEngine:
                     noise_level=req.noise_level,
                 )
             samples.append(
-                req.sample(
-                    b,
+                owner.sample(
+                    j,
                     trajectory=trajectory,
                     conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, stored_cfg),
                     image=images[b],
