@@ -1,7 +1,7 @@
 """Shared fixtures. Nothing in the test session may download: the HF hubs are forced offline.
 
 Session fixtures (built once, reused by every test directory):
-  miles_session_home   $MILES_HOME for the whole session (a temp dir; autouse)
+  miles_session_home   $MILES_HOME for the whole session (a temp dir, or $MILES_TEST_HOME; autouse)
   tiny_sd3_dir         tiny-sd3 built once at $MILES_HOME/models/tiny-sd3, so
                        `ensure_checkpoint("tiny-sd3")` finds it too (treat it as read-only)
   tiny_sd3_pipeline    StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir) (read-only; copy to mutate)
@@ -36,7 +36,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def miles_session_home(tmp_path_factory: pytest.TempPathFactory):
-    home = tmp_path_factory.mktemp("miles_home")
+    # MILES_TEST_HOME: reuse one home's builds across sessions while iterating locally (CI leaves it unset,
+    # so every session builds the tiny models from this checkout's code)
+    reuse = os.environ.get("MILES_TEST_HOME")
+    home = Path(reuse) if reuse else tmp_path_factory.mktemp("miles_home")
     patch = pytest.MonkeyPatch()
     patch.setenv("MILES_HOME", str(home))
     yield home

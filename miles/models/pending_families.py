@@ -23,6 +23,7 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
     hf_ckpt_name_patterns = ("wan2.2", "wan2_2", "wan2-2", "wan22")
     pipeline_class = "diffusers.WanPipeline"
     transformer_class = "diffusers.WanTransformer3DModel"
+    fsdp_block_lists = ("blocks",)
     lora_target_modules = _ATTN
     condition_inputs = ("encoder_hidden_states",)
     weight_sync_targets = ("transformer", "transformer_2")

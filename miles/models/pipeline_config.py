@@ -105,6 +105,9 @@ class TrainPipelineConfig:
     sglang_fused_modules: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
     sglang_cpu_blocker: ClassVar[str] = ""  # why sglang cannot serve this family on CPU ("" = it can)
     max_sequence_length: ClassVar[int] = 256  # the pipeline's own text length default (tiny builds store theirs)
+    # the transformer's block lists: FSDP2 shards each block on its own (one all-gather per block; a block
+    # left out is gathered with the root, all at once)
+    fsdp_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     # ---- lazy class access -------------------------------------------------------------------
     def load_pipeline_class(self) -> type:

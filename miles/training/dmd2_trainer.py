@@ -163,7 +163,7 @@ def load_teacher(trainer: Trainer) -> torch.nn.Module | None:
     model.requires_grad_(False)
     if hasattr(model, "disable_gradient_checkpointing"):
         model.disable_gradient_checkpointing()
-    return shard(model, trainer.args)
+    return shard(model, trainer.args, block_lists=trainer.family.fsdp_block_lists)
 
 
 def real_latents(args: Any) -> RealLatents:

@@ -98,9 +98,12 @@ def parallelize_attention(model: torch.nn.Module, args: Any, family: TrainPipeli
         family.enable_sequence_parallel(model, sp_group)
 
 
-def shard(model: torch.nn.Module, args: Any, mesh: Any = None) -> torch.nn.Module:
-    """FSDP2: shard every transformer block, then the root, with the dtype policy of the flags, over `mesh`
-    (None: FSDP2's default 1-D mesh over the world; HSDP passes the 2-D (dp_replicate, dp_shard) mesh)."""
+def shard(
+    model: torch.nn.Module, args: Any, mesh: Any = None, block_lists: tuple[str, ...] = ("transformer_blocks",)
+) -> torch.nn.Module:
+    """FSDP2: shard every block of the family's block lists (`fsdp_block_lists`), then the root, with the
+    dtype policy of the flags, over `mesh` (None: FSDP2's default 1-D mesh over the world; HSDP passes the
+    2-D (dp_replicate, dp_shard) mesh)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     forward = DTYPES[args.diffusion_forward_dtype]
@@ -121,8 +124,14 @@ def shard(model: torch.nn.Module, args: Any, mesh: Any = None) -> torch.nn.Modul
     if args.fsdp_cpu_offload:
         # pinned host memory speeds up host-device copies; there is none to pin on a CPU-only rank
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for block in getattr(model, "transformer_blocks", []):
-        fully_shard(block, **kwargs)
+    import warnings
+
+    # FLUX's and Qwen-Image's forwards return a view of their last projection; FSDP2 warns that an in-place
+    # op on it would skip the backward hook. Every forward_velocity uses the output out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+    for name in block_lists:
+        for block in getattr(model, name, []):
+            fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

@@ -73,7 +73,7 @@ class Trainer:
         if args.use_lora:
             model = apply_lora(model, args, self.family)
         parallelize_attention(model, args, self.family, self.layout.sp_group)
-        self.model = shard(model, args, self.layout.mesh)
+        self.model = shard(model, args, self.layout.mesh, self.family.fsdp_block_lists)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, args)
         self.scheduler = build_lr_scheduler(self.optimizer, args, total_steps)

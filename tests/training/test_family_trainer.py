@@ -56,7 +56,13 @@ def family_rollout(request: pytest.FixtureRequest):
 
 def test_frozen_recompute_equals_the_engine(family_rollout) -> None:
     checkpoint, recipe, _, batch = family_rollout
+    from torch.distributed.fsdp import FSDPModule
+
     trainer = Trainer(_args(checkpoint, recipe, debug_skip_optimizer_step=True), master_port=free_port())
+    # every block of the family's block lists is its own FSDP unit (flux: the single-stream blocks too)
+    lists = trainer.family.fsdp_block_lists
+    blocks = [b for name in lists for b in getattr(trainer.model, name)]
+    assert len(blocks) >= 2 * len(lists) and all(isinstance(b, FSDPModule) for b in blocks)
     metrics = trainer.train(0, batch.samples)
     assert metrics["log_prob_mean_abs_diff"] <= 1e-6
     assert all(s.conditions.negative is not None for s in batch.samples)  # both recipes run a negative branch

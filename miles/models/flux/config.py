@@ -88,6 +88,7 @@ class FluxTrainPipelineConfig(TrainPipelineConfig):
     trainable = True
     supports_cfg_training = True
     cfg_batching = False  # FluxPipeline runs its true-CFG negative branch as a second forward
+    fsdp_block_lists = ("transformer_blocks", "single_transformer_blocks")  # FLUX.1-dev: 19 double + 38 single
     guidance_mode = "embedded"
     pipeline_sigmas = True
     max_sequence_length = 512

@@ -1,0 +1,69 @@
+"""flux and qwen_image through the jobs' CLI: `rollout-only`, `replay` of its file, and `train dmd2`.
+
+The trainer-level checks (recompute, LoRA sync, export, NFT and SFT steps) are in
+tests/training/test_family_trainer.py; here each job runs as a user runs it (Ray, trainer groups, files).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.io.metrics import read_metrics
+from miles.io.rollout_file import load_rollout
+from miles_cli.main import main
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = {"flux": "tiny_flux_dir", "qwen_image": "tiny_qwen_image_dir"}
+RECIPES = {"flux": "tiny-flux-digits-grpo", "qwen_image": "tiny-qwen-image-digits-grpo"}
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4"]
+SMALL += ["--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "4"]
+SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    return request.param, request.getfixturevalue(FAMILIES[request.param])
+
+
+def test_rollout_only_then_replay(family, tmp_path: Path) -> None:
+    name, checkpoint = family
+    flags = ["--recipe", RECIPES[name], "--hf-checkpoint", str(checkpoint), *SMALL]
+    out = tmp_path / "rollouts"
+    assert main(["rollout-only", *flags, "--num-rollout", "1", "--output-dir", str(out)]) == 0
+    rollout_id, samples, _ = load_rollout(out / "rollout_0.pt")
+    assert rollout_id == 0 and len(samples) == 8
+    assert all(s.trajectory.log_probs.shape == (2,) for s in samples)
+    assert all(s.trajectory.latents.shape[1:] == samples[0].trajectory.latents.shape[1:] for s in samples)
+    (row,) = read_metrics(out / "metrics.jsonl")
+    assert 0.0 <= row["rollout/reward/raw_mean"] <= 1.0
+
+    replay = tmp_path / "replay"
+    assert main(["replay", str(out / "rollout_0.pt"), *flags, "--output-dir", str(replay)]) == 0
+    (row,) = read_metrics(replay / "metrics.jsonl")
+    assert row["replay/num_samples"] == 8 and torch.isfinite(torch.tensor(row["train/loss"]))
+    assert row["train/log_prob_mean_abs_diff"] <= 1e-5, name  # the rollout's policy, recomputed by the trainer
+
+
+def test_train_dmd2(family, tmp_path: Path) -> None:
+    name, checkpoint = family
+    prompts = tmp_path / "few.jsonl"
+    prompts.write_text(
+        "".join(f'{{"input": "a handwritten digit {d}", "metadata": {{"label": {d}}}}}\n' for d in (3, 7))
+    )
+    out = tmp_path / "dmd2"
+    argv = ["train", "dmd2", "--recipe", "tiny-digits-4step", "--hf-checkpoint", str(checkpoint)]
+    argv += ["--num-rollout", "2", "--dmd2-critic-update-ratio", "1", "--rollout-batch-size", "4"]
+    argv += ["--global-batch-size", "4", "--micro-batch-size", "4", "--eval-prompt-data", "digits", str(prompts)]
+    argv += ["--output-dir", str(out)]
+    assert main(argv) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    for row in rows[:2]:
+        assert torch.isfinite(torch.tensor([row["train/loss"], row["critic/loss"]])).all()
+    assert rows[0]["train/x0_gen_mean_abs_diff"] <= 1e-5, name  # the student's x0: engine == trainer
+    assert rows[-1]["eval/student_4step/num_samples"] == 2
+    assert (out / "checkpoint" / "transformer").is_dir()
