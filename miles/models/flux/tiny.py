@@ -22,15 +22,21 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from miles.models.loading import quiet_loading
 from miles.models.tiny import components as C
-from miles.models.tiny.build import BuildReport, Progress, build_atomically, library_versions, phase_timer
-from miles.models.tiny.metadata import FORMAT_VERSION, TINY_MAX_SEQUENCE_LENGTH, TINY_METADATA_FILE
-from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR, VAE_STEPS
+from miles.models.tiny.build import (
+    BuildReport,
+    Progress,
+    build_atomically,
+    fit_digits_image_vae,
+    image_build_metadata,
+    phase_timer,
+)
+from miles.models.tiny.metadata import TINY_METADATA_FILE
+from miles.models.tiny.vae_fit import VAE_STEPS
 
 __all__ = ["TINY_FLUX_NAME", "BuildReport", "build_tiny_flux"]
 
@@ -131,8 +137,6 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
     with _FluxProgress(progress, vae_steps) as bar:
         phase = phase_timer(timings, bar)
         with phase("tokenizers"):
-            import torch
-
             from miles.models.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
             clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
@@ -150,30 +154,8 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             te2 = C.make_t5_encoder(seed, ids)
         with phase("transformer"):
             transformer = make_transformer(seed)
-        with phase("data"):
-            from miles.data.digits import load_digits_split
-            from miles.models.tiny import vae_fit
-
-            split = load_digits_split()
-            train_images = vae_fit.digits_to_vae_input(split.train_x)
-            test_images = vae_fit.digits_to_vae_input(split.test_x)
-        with phase("vae fit", advance=False):
-            vae = C.make_vae(seed)
-            on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
-            vae_fit.fit_vae(vae, train_images, steps=vae_steps, seed=seed, on_step=on_step)
-        with phase("vae stats"):
-            shift, scale = vae_fit.set_latent_normalization(vae, train_images)
-            recon = vae_fit.reconstruct(vae, test_images)
-            vae_mse = float(torch.nn.functional.mse_loss(recon, test_images))
-        with phase("classifier"):
-            from miles.models import digit_classifier as digit
-
-            clf, clf_meta = digit.fit_digit_classifier()
-            recon_acc = float(
-                (clf.predict(digit.digits_to_features(digit.images_to_digits(recon, "-1,1"))) == split.test_y).mean()
-            )
-            clf_meta["vae_reconstruction_accuracy"] = recon_acc
-            digit.save_digit_classifier(clf, clf_meta, tmp / digit.CLASSIFIER_DIRNAME)
+        fit = fit_digits_image_vae(phase, bar, tmp, seed, vae_steps)
+        vae = fit.vae
         with phase("save"):
             from diffusers import FluxPipeline
 
@@ -198,46 +180,12 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             out_dir=tmp,
             seconds=round(time.perf_counter() - start, 3),
             phase_seconds=timings,
-            classifier_test_accuracy=clf_meta["test_accuracy"],
-            vae_test_mse=vae_mse,
-            vae_recon_accuracy=recon_acc,
+            classifier_test_accuracy=fit.classifier_meta["test_accuracy"],
+            vae_test_mse=fit.test_mse,
+            vae_recon_accuracy=fit.recon_accuracy,
             params=params,
         )
-        _write_metadata(tmp, seed, vae_steps, shift, scale, report)
+        meta = image_build_metadata(TINY_FLUX_NAME, seed, vae_steps, fit, report, SGLANG_MODEL_ID)
+        (tmp / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         bar.describe("done")
     return report
-
-
-def _write_metadata(out: Path, seed: int, vae_steps: int, shift: float, scale: float, report: BuildReport) -> None:
-
-    from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
-    from miles.models.tiny.tokenizers import CLIP_MAX_LENGTH
-
-    meta = {
-        "name": TINY_FLUX_NAME,
-        "format_version": FORMAT_VERSION,
-        "seed": seed,
-        "resolution": C.IMAGE_SIZE,
-        "latent_size": C.LATENT_SIZE,
-        "latent_channels": C.LATENT_CHANNELS,
-        "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH,
-        "clip_max_length": CLIP_MAX_LENGTH,
-        "prompt_template": PROMPT_TEMPLATE,
-        "data": {"name": "digits", "split_seed": SPLIT_SEED},
-        "sglang_model_id": SGLANG_MODEL_ID,
-        "vae": {
-            "shift_factor": shift,
-            "scaling_factor": scale,
-            "fit_steps": vae_steps,
-            "batch_size": VAE_BATCH_SIZE,
-            "lr": VAE_LR,
-            "test_mse": round(report.vae_test_mse, 6),
-            "test_reconstruction_accuracy": report.vae_recon_accuracy,
-        },
-        "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
-        "params": report.params,
-        "build_seconds": report.seconds,
-        "phase_seconds": report.phase_seconds,
-        "versions": library_versions(),
-    }
-    (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")

@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.loading import quiet_loading
-from miles.models.tiny.build import BuildReport, Progress, build_atomically, library_versions, phase_timer
+from miles.models.tiny.build import (
+    BuildReport,
+    Progress,
+    build_atomically,
+    library_versions,
+    phase_timer,
+    score_and_save_classifier,
+)
 from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE
 from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR
 
@@ -277,13 +284,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             recon = vae_fit.reconstruct(vae, test_videos)
             vae_mse = float(torch.nn.functional.mse_loss(recon, test_videos))
         with phase("classifier"):
-            from miles.models import digit_classifier as digit
-
-            clf, clf_meta = digit.fit_digit_classifier()
-            recon_digits = digit.images_to_digits(recon[:, :, 0], "-1,1")
-            recon_acc = float((clf.predict(digit.digits_to_features(recon_digits)) == split.test_y).mean())
-            clf_meta["vae_reconstruction_accuracy"] = recon_acc
-            digit.save_digit_classifier(clf, clf_meta, tmp / digit.CLASSIFIER_DIRNAME)
+            clf_meta, recon_acc = score_and_save_classifier(tmp, recon[:, :, 0], split.test_y)  # frame 0 of each
         with phase("save"):
             from diffusers import QwenImagePipeline
 
