@@ -310,6 +310,12 @@ class TrainPipelineConfig:
             out[name] = torch.cat([tensors[p] for p in parts])
         return out
 
+    def sglang_blocker(self, guidance_scale: float, true_cfg_scale: float | None, max_sequence_length: int) -> str:
+        """Why sglang would not sample what this family's pipeline samples with these settings and a checkpoint of
+        text length `max_sequence_length` ("" when it would). The config rules refuse `--rollout-backend sglang`
+        with the reason. Default: nothing stands in the way."""
+        return ""
+
     def sglang_sampling_params(self, max_sequence_length: int) -> dict[str, Any]:
         """A request's `extra_sampling_params` that make sglang encode text the way this family's diffusers
         pipeline does at `max_sequence_length` (the checkpoint's). Default: none (sglang's own lengths)."""

@@ -35,6 +35,23 @@ def test_true_cfg_scale_is_refused_for_a_plain_cfg_family() -> None:
         assert run(hf_checkpoint=checkpoint, diffusion_true_cfg_scale=4.0).args.diffusion_true_cfg_scale == 4.0
 
 
+def test_flux_true_cfg_on_sglang_is_refused_when_the_text_length_is_not_sglangs(tmp_path) -> None:
+    """sglang encodes FLUX's negative prompt at 512 T5 tokens whatever the request says: with a negative branch and
+    a checkpoint of another text length (every tiny build), its guided velocity is not FluxPipeline's."""
+    import sys
+
+    sglang = {"rollout_backend": "sglang", "sglang_python": sys.executable, "distributed_backend": "gloo"}
+    message = rejected(hf_checkpoint="tiny-flux", diffusion_true_cfg_scale=4.0, **sglang)
+    assert_names(message, "--rollout-backend sglang", "--diffusion-true-cfg-scale 4.0", "512", "length is 8")
+    # embedded guidance alone (no negative branch) is served, as is true CFG at sglang's own 512 tokens
+    assert run(hf_checkpoint="tiny-flux", **sglang).args.rollout_backend == "sglang"
+    flux_dev = tmp_path / "FLUX.1-dev"  # no tiny metadata: FLUX.1's 512 tokens
+    flux_dev.mkdir()
+    assert (
+        run(hf_checkpoint=str(flux_dev), diffusion_true_cfg_scale=4.0, **sglang).args.diffusion_true_cfg_scale == 4.0
+    )
+
+
 @pytest.mark.parametrize(
     ("given", "missing"),
     [

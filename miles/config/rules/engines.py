@@ -33,6 +33,7 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
         res.derive("use_miles_router", True)
     if not gpus_present():
         _check_family_serves_on_cpu(res)
+    _check_family_settings_on_sglang(res)
     if res["offload_rollout"] and not gpus_present():
         why = (
             "sglang releases an engine's GPU memory through /release_memory_occupation, which needs CUDA (a CPU "
@@ -60,6 +61,35 @@ def _check_family_serves_on_cpu(res: Resolution) -> None:
         res.fail(
             f"{res.show('rollout_backend')}: sglang cannot serve model family {family.name!r} on this machine without "
             f"a GPU ({family.sglang_cpu_blocker}); use --rollout-backend diffusers here"
+        )
+
+
+def _check_family_settings_on_sglang(res: Resolution) -> None:
+    """Settings under which sglang would sample something other than the family's pipeline are refused."""
+    from miles.config.errors import ConfigError
+    from miles.models.checkpoints import is_builtin_model
+    from miles.models.families import resolve_family
+    from miles.models.tiny.metadata import TINY_MAX_SEQUENCE_LENGTH, max_sequence_length, read_metadata
+
+    if res["train_pipeline_config_path"] is not None:
+        return
+    try:
+        family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
+    except ConfigError:
+        return
+    checkpoint = str(res["hf_checkpoint"])
+    if is_builtin_model(checkpoint) and read_metadata(checkpoint) is None:
+        length = TINY_MAX_SEQUENCE_LENGTH  # not built yet: every built-in tiny model keeps its text this short
+    else:
+        length = max_sequence_length(checkpoint, default=family.max_sequence_length)
+    why = family.sglang_blocker(float(res["diffusion_guidance_scale"]), res["diffusion_true_cfg_scale"], length)
+    if why:
+        flag = (
+            "diffusion_true_cfg_scale" if res["diffusion_true_cfg_scale"] is not None else "diffusion_guidance_scale"
+        )
+        res.fail(
+            f"{res.show('rollout_backend')} with {res.show(flag)}: {why}; "
+            "use --rollout-backend diffusers, or no negative branch"
         )
 
 

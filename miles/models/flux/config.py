@@ -76,6 +76,9 @@ def latent_image_ids(h: int, w: int, device: Any, dtype: Any) -> Any:
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
+SGLANG_NEGATIVE_TEXT_LENGTH = 512  # sglang's T5 text_len, which its negative-prompt encoding always uses
+
+
 @register_train_pipeline_config("flux")
 class FluxTrainPipelineConfig(TrainPipelineConfig):
     description = "FLUX.1 text-to-image (MM-DiT, packed 2x2 latents, embedded guidance), incl. the embedded tiny-flux"
@@ -148,6 +151,18 @@ class FluxTrainPipelineConfig(TrainPipelineConfig):
         return unpack_latents(out, h, w)
 
     # ---- sglang adapter --------------------------------------------------------------------------
+    def sglang_blocker(self, guidance_scale: float, true_cfg_scale: float | None, max_sequence_length: int) -> str:
+        """sglang (0.5.23) encodes the negative prompt at its T5 config's 512 tokens whatever the request's
+        `max_sequence_length`; `FluxPipeline` pads both branches to the same length. With a negative branch
+        (true CFG) and another text length, sglang's guided velocity is not the pipeline's."""
+        if self.cfg_scale(guidance_scale, true_cfg_scale) <= 1.0 or max_sequence_length == SGLANG_NEGATIVE_TEXT_LENGTH:
+            return ""
+        return (
+            f"sglang encodes FLUX's negative prompt at {SGLANG_NEGATIVE_TEXT_LENGTH} T5 tokens whatever the request "
+            f"says, and this checkpoint's text length is {max_sequence_length}, so its true-CFG negative branch "
+            "would not be FluxPipeline's"
+        )
+
     def sglang_sampling_params(self, max_sequence_length: int) -> dict[str, Any]:
         """T5 at the checkpoint's length, as `FluxPipeline` pads it (sglang pads to 512 otherwise; it keeps
         CLIP at its fixed 77 tokens whatever the request says)."""

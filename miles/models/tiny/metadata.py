@@ -22,11 +22,10 @@ TINY_RESOLUTION = 64
 DIFFUSERS_SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's own default
 
 
-TINY_NAMES = (TINY_SD3_NAME, "tiny-flux", "tiny-qwen-image")  # the built-in offline builds
-
-
 def _checkpoint_path(checkpoint: str | os.PathLike) -> Path:
-    if str(checkpoint) in TINY_NAMES:
+    from miles.models.checkpoints import is_builtin_model
+
+    if is_builtin_model(checkpoint):  # the tiny builds and the digits SFT start points
         from miles.utils.paths import models_dir
 
         return models_dir() / str(checkpoint)
