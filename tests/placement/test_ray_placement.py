@@ -117,6 +117,7 @@ def test_colocated_two_gpu_run_equals_the_plain_cpu_run(gpu_cluster, tiny_sd3_di
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
 
 
+@pytest.mark.extended  # the 3-GPU plan is tested pure (tests/placement); Ray placement by the 2-GPU test above
 def test_sd3_pickscore_nft_on_three_gpus(gpu_cluster, tiny_sd3_dir: Path, tiny_clip, tmp_path: Path) -> None:
     model, processor = tiny_clip
     eval_data = tmp_path / "eval.jsonl"

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from miles.config.resolve import resolve
 
 SMALL: dict[str, Any] = {
@@ -54,6 +56,7 @@ def _check(metrics: list[dict[str, float]], out: Path, tensors: int) -> None:
     assert not (out / "engines" / "weights").exists()  # nothing written for /update_weights_from_disk or set_lora
 
 
+@pytest.mark.extended  # the LoRA test below and tests/sglang/test_sglang_cli.py take the same in-place path
 def test_full_weights_go_to_the_server_by_handle(tiny_sd3_dir: Path, tmp_path: Path, local_ray) -> None:
     args = resolve(
         "rl", recipe="tiny-digits-grpo", cli={**SMALL, "hf_checkpoint": str(tiny_sd3_dir), "output_dir": str(tmp_path)}
