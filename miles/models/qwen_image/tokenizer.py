@@ -16,10 +16,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 from functools import lru_cache
-from itertools import pairwise
 from typing import Any
 
-from miles.models.tiny.tokenizers import _byte_alphabet, prompt_corpus
+from miles.models.tiny.tokenizers import _byte_alphabet, greedy_merges, prompt_corpus
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -102,28 +101,7 @@ def pre_tokenize(texts: list[str], pre_tokenizer: Any) -> Counter[str]:
 
 def learn_merges(counts: Counter[str]) -> list[tuple[str, str]]:
     """Greedy BPE over the pre-tokens until each is one symbol; ties break on the pair (deterministic)."""
-    words = {w: tuple(w) for w in counts}
-    merges: list[tuple[str, str]] = []
-    while True:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for word, syms in words.items():
-            for pair in pairwise(syms):
-                pairs[pair] += counts[word]
-        if not pairs:
-            return merges
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        for word, syms in words.items():
-            out: list[str] = []
-            i = 0
-            while i < len(syms):
-                if i + 1 < len(syms) and (syms[i], syms[i + 1]) == best:
-                    out.append(syms[i] + syms[i + 1])
-                    i += 2
-                else:
-                    out.append(syms[i])
-                    i += 1
-            words[word] = tuple(out)
+    return greedy_merges({w: tuple(w) for w in counts}, counts)
 
 
 def build_qwen_tokenizer(template: str | None = None) -> Any:

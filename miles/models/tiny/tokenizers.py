@@ -76,7 +76,13 @@ def learn_bpe_merges(corpus: list[str]) -> list[tuple[str, str]]:
     trainer breaks ties by hash order, which varies between runs).
     """
     counts = Counter(w for line in corpus for w in _clip_words(line))
-    words = {w: (*w[:-1], w[-1] + "</w>") for w in counts}
+    return greedy_merges({w: (*w[:-1], w[-1] + "</w>") for w in counts}, counts)
+
+
+def greedy_merges(words: dict[str, tuple[str, ...]], counts: Counter[str]) -> list[tuple[str, str]]:
+    """Greedy BPE: merge the most frequent adjacent pair (weighted by `counts`; ties broken on the pair) until
+    every word of `words` (word -> its starting symbols) is one symbol. Deterministic."""
+    words = dict(words)
     merges: list[tuple[str, str]] = []
     while True:
         pairs: Counter[tuple[str, str]] = Counter()
