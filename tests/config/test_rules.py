@@ -273,3 +273,26 @@ def test_overrides_and_sglang_reach_resolve() -> None:
     assert resolved.trainer_args["critic"].lr == 2e-6
     assert resolved.trainer_args["actor"].lr == resolved.args.lr
     assert resolved.args.sglang_args == {"attention_backend": "fa3"}
+
+
+# ---- the LR schedule -------------------------------------------------------------------------------------
+
+
+def test_override_lr_scheduler_alone_turns_the_checkpoints_schedule_off() -> None:
+    resolved = run(override_lr_scheduler=True)
+    assert resolved.args.override_lr_scheduler and not resolved.args.use_checkpoint_lr_scheduler
+    assert resolved.args.source_of("use_checkpoint_lr_scheduler") == "derived"
+    assert run().args.use_checkpoint_lr_scheduler  # the default stays on
+    message = rejected(override_lr_scheduler=True, use_checkpoint_lr_scheduler=True)
+    assert_names(message, "--override-lr-scheduler on (cli)", "--use-checkpoint-lr-scheduler on (cli)", "pick one")
+
+
+def test_warmup_fraction_and_iters_exclude_each_other() -> None:
+    message = rejected(lr_warmup_fraction=0.1, lr_warmup_iters=5)
+    assert_names(message, "--lr-warmup-fraction 0.1", "--lr-warmup-iters 5", "use one")
+    assert run(lr_warmup_fraction=0.1).args.lr_warmup_fraction == 0.1
+
+
+def test_wsd_needs_its_decay_length() -> None:
+    assert_names(rejected(lr_decay_style="WSD"), "--lr-decay-style WSD", "--lr-wsd-decay-iters")
+    assert run(lr_decay_style="WSD", lr_wsd_decay_iters=4).args.lr_wsd_decay_iters == 4

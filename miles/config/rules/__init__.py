@@ -6,11 +6,12 @@ naming the flags, their values and where they came from. They run in the order l
 
 from __future__ import annotations
 
-from miles.config.rules import algorithm, batch, data, engines, misc, topology, training_backend
+from miles.config.rules import algorithm, batch, data, engines, misc, optimizer, topology, training_backend
 
 SHARED_RULES = (
     *topology.RULES,
     *training_backend.RULES,
+    *optimizer.RULES,
     *batch.RULES,
     *algorithm.RULES,
     *data.RULES,
