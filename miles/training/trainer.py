@@ -256,6 +256,11 @@ class Trainer:
         timesteps = t * 1000.0
         with torch.no_grad(), self.reference():  # before the trained forward: see _flow_grpo_micro
             v_old = self.velocity(x_t, timesteps, samples, None)
+        kl_beta = self.args.diffusion_kl_beta
+        v_ref = None
+        if kl_beta > 0:  # DiffusionNFT's KL reference: the LoRA base (adapters off; the config rules need --use-lora)
+            with torch.no_grad(), adapters_off(self.model):
+                v_ref = self.velocity(x_t, timesteps, samples, None)
         v_new = self.velocity(x_t, timesteps, samples, None)
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         return nft_loss(
@@ -268,6 +273,8 @@ class Trainer:
             beta=self.args.diffusion_nft_beta,
             adv_clip_max=self.args.diffusion_adv_clip_max,
             adaptive_weight=not self.args.no_diffusion_nft_adaptive_weight,
+            v_ref=v_ref,
+            kl_beta=kl_beta,
         )
 
     def train_sft(self, x0: torch.Tensor, conditions: list[Sample]) -> dict[str, float]:

@@ -99,8 +99,8 @@ def test_num_epoch_with_num_rollout_is_a_warning() -> None:
         ({}, "none"),
         ({"diffusion_kl_beta": 0.04, "use_lora": True}, "lora_base"),
         ({"loss_type": "nft", "use_ema": True}, "ema"),
-        # nft picks the EMA reference even when a KL is asked for.
-        ({"loss_type": "nft", "use_ema": True, "diffusion_kl_beta": 0.04}, "ema"),
+        # nft picks the EMA reference (pi_old) even when a KL is asked for; the KL's is the LoRA base.
+        ({"loss_type": "nft", "use_ema": True, "diffusion_kl_beta": 0.04, "use_lora": True}, "ema"),
     ],
 )
 def test_ref_mode_auto(extra: dict[str, Any], expected: str) -> None:
@@ -296,3 +296,9 @@ def test_warmup_fraction_and_iters_exclude_each_other() -> None:
 def test_wsd_needs_its_decay_length() -> None:
     assert_names(rejected(lr_decay_style="WSD"), "--lr-decay-style WSD", "--lr-wsd-decay-iters")
     assert run(lr_decay_style="WSD", lr_wsd_decay_iters=4).args.lr_wsd_decay_iters == 4
+
+
+def test_nft_kl_needs_the_lora_base() -> None:
+    nft = {"loss_type": "nft", "use_ema": True, "diffusion_kl_beta": 0.01}
+    assert_names(rejected(**nft), "--diffusion-kl-beta 0.01", "LoRA base", "--use-lora")
+    assert run(**nft, use_lora=True).args.diffusion_kl_beta == 0.01

@@ -125,6 +125,23 @@ def test_nft_step_with_the_ema_reference_trains_and_serves_the_ema(tiny_sd3_dir:
     assert torch.equal(full_state(trainer)[key], raw[key])  # and the swap put the raw weights back
 
 
+def test_nft_kl_beta_pulls_toward_the_lora_base(tiny_sd3_dir: Path, rollout) -> None:
+    """Under nft, --diffusion-kl-beta adds kl_beta * mean((v_new - v_lora_base)^2): 0 while the adapter is
+    still zero, positive once it has moved, and in the loss."""
+    _, batch = rollout
+    lora = {"use_lora": True, "lora_rank": 4, "lora_alpha": 8, "lr": 1e-2, "loss_type": "nft", "use_ema": True}
+    args = trainer_args(tiny_sd3_dir, diffusion_kl_beta=0.5, **lora)
+    assert args.ref_mode == "ema"  # pi_old stays the EMA; the KL's reference is the LoRA base
+    trainer = Trainer(args, master_port=free_port())
+    first = trainer.train(0, batch.samples)
+    second = trainer.train(1, batch.samples)
+    assert first["kl_loss"] < 1e-8 < second["kl_loss"]  # lora_B starts at zero: base == policy at first
+    assert second["loss"] == pytest.approx(second["policy_loss"] + 0.5 * second["kl_loss"], rel=1e-4, abs=1e-8)
+    plain = Trainer(trainer_args(tiny_sd3_dir, **lora), master_port=free_port())
+    plain.train(0, batch.samples)
+    assert plain.train(1, batch.samples)["kl_loss"] == 0.0  # kl_beta 0: no reference forward, no term
+
+
 def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     from miles.training.model import full_state_dict
 

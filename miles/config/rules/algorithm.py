@@ -21,6 +21,11 @@ def check_reference_and_ema(res: Resolution, job: JobSpec) -> None:
         res.fail(f"{res.show('diffusion_kl_beta')} needs a reference model, but {res.show('ref_mode')}")
     if ref == "lora_base" and not res["use_lora"]:
         res.fail(f"{res.show('ref_mode')} uses the LoRA base model as the reference: it requires --use-lora")
+    if loss == "nft" and res["diffusion_kl_beta"] > 0 and not res["use_lora"]:
+        res.fail(
+            f"{res.show('diffusion_kl_beta')} under --loss-type nft is a KL to the LoRA base model (adapters off): "
+            "it requires --use-lora"
+        )
     if ref == "ema" and not res["use_ema"]:
         res.fail(f"{res.show('ref_mode')} (auto under --loss-type nft) requires --use-ema")
     if res["ema_rollout_policy"] == "ema" and not res["use_ema"]:
