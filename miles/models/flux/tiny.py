@@ -20,7 +20,6 @@ Components (each initialised from its own seed; torch/diffusers are imported on 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,8 @@ from miles.models.tiny.build import (
     BuildReport,
     Progress,
     build_atomically,
+    finish_image_build,
     fit_digits_image_vae,
-    image_build_metadata,
     phase_timer,
 )
 from miles.models.tiny.metadata import TINY_METADATA_FILE
@@ -170,22 +169,17 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             )
             with quiet_loading():
                 pipe.save_pretrained(tmp)
-        params = {
-            "transformer": C.count_params(transformer),
-            "vae": C.count_params(vae),
-            "text_encoder": C.count_params(te1),
-            "text_encoder_2": C.count_params(te2),
-        }
-        report = BuildReport(
-            out_dir=tmp,
-            seconds=round(time.perf_counter() - start, 3),
-            phase_seconds=timings,
-            classifier_test_accuracy=fit.classifier_meta["test_accuracy"],
-            vae_test_mse=fit.test_mse,
-            vae_recon_accuracy=fit.recon_accuracy,
-            params=params,
+        report = finish_image_build(
+            pipe,
+            tmp,
+            name=TINY_FLUX_NAME,
+            seed=seed,
+            vae_steps=vae_steps,
+            fit=fit,
+            start=start,
+            timings=timings,
+            sglang_model_id=SGLANG_MODEL_ID,
+            metadata_file=TINY_METADATA_FILE,
         )
-        meta = image_build_metadata(TINY_FLUX_NAME, seed, vae_steps, fit, report, SGLANG_MODEL_ID)
-        (tmp / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         bar.describe("done")
     return report

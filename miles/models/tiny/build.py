@@ -196,3 +196,41 @@ def image_build_metadata(
         "phase_seconds": report.phase_seconds,
         "versions": library_versions(),
     }
+
+
+def finish_image_build(
+    pipe: Any,
+    out_dir: Path,
+    *,
+    name: str,
+    seed: int,
+    vae_steps: int,
+    fit: DigitsImageVae,
+    start: float,
+    timings: dict[str, float],
+    sglang_model_id: str,
+    metadata_file: str,
+) -> BuildReport:
+    """After a tiny image build's pipeline is saved into `out_dir`: count its modules' parameters and write its
+    report as `metadata_file` (tiny-sd3 and tiny-flux)."""
+    import json
+
+    import torch
+
+    params = {
+        key: sum(p.numel() for p in module.parameters())
+        for key, module in pipe.components.items()
+        if isinstance(module, torch.nn.Module)
+    }
+    report = BuildReport(
+        out_dir=out_dir,
+        seconds=round(time.perf_counter() - start, 3),
+        phase_seconds=timings,
+        classifier_test_accuracy=fit.classifier_meta["test_accuracy"],
+        vae_test_mse=fit.test_mse,
+        vae_recon_accuracy=fit.recon_accuracy,
+        params=params,
+    )
+    meta = image_build_metadata(name, seed, vae_steps, fit, report, sglang_model_id)
+    (out_dir / metadata_file).write_text(json.dumps(meta, indent=2) + "\n")
+    return report
