@@ -87,29 +87,69 @@ def images_to_digits(images: Any, value_range: str = "auto") -> np.ndarray:
     return np.concatenate(out, axis=0)
 
 
+def videos_to_digits(videos: Any, value_range: str = "auto") -> np.ndarray:
+    """Videos -> (N * F, 8, 8) float32 in [0, 1]: each frame's digit, cropped around its ink centroid
+    (`miles.data.digits_video.crop_digits`, half the frame) and pooled to 8x8.
+
+    `videos`: one video [3, F, H, W] / [F, H, W], a batch [N, 3, F, H, W], or a list of videos; float in
+    [0, 1] or [-1, 1] (`value_range` as for images)."""
+    from miles.data.digits_video import crop_digits
+
+    if not isinstance(videos, (list, tuple)):
+        arr = _to_numpy(videos)
+        videos = list(arr) if arr.ndim == 5 else [arr]
+    arrays = [_to_numpy(v).astype(np.float32) for v in videos]
+    lo = min((float(a.min()) for a in arrays if a.size), default=0.0)
+    signed = value_range == "-1,1" or (value_range == "auto" and lo < -0.05)
+    out = []
+    for a in arrays:
+        a = (a + 1.0) / 2.0 if signed else a
+        out.append(downsample_to_digits(crop_digits(np.clip(a, 0.0, 1.0))))
+    if not out:
+        return np.zeros((0, DIGIT_SIZE, DIGIT_SIZE), dtype=np.float32)
+    return np.concatenate(out, axis=0)
+
+
 def digits_to_features(x8: np.ndarray) -> np.ndarray:
     return np.asarray(x8, dtype=np.float64).reshape(len(x8), DIGIT_SIZE * DIGIT_SIZE)
 
 
 # ---- the classifier ----------------------------------------------------------------------------
-def fit_digit_classifier(seed: int = 0) -> tuple[Any, dict[str, Any]]:
-    """Fit the classifier on the digits train split; return it and its metadata (with test accuracy)."""
+def _moving_digit_crops(x8: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every frame of each digit's moving video (directions in turn), read as `videos_to_digits` reads it."""
+    from miles.data.digits_video import DIRECTIONS, NUM_FRAMES, render_video
+
+    videos = [render_video(x, DIRECTIONS[i % len(DIRECTIONS)]) for i, x in enumerate(x8)]
+    return videos_to_digits([v[None] for v in videos], "0,1"), np.repeat(y, NUM_FRAMES)
+
+
+def fit_digit_classifier(seed: int = 0, video: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Fit the classifier on the digits train split; return it and its metadata (with test accuracy).
+
+    `video`: fit it on the frames of moving digits as `videos_to_digits` reads them (centroid crops),
+    the classifier a video checkpoint stores (metadata `input: "video"`)."""
     import sklearn
     from sklearn.calibration import CalibratedClassifierCV
     from sklearn.svm import SVC
 
     split = load_digits_split(seed)
+    train_x, train_y, test_x, test_y = split.train_x, split.train_y, split.test_x, split.test_y
+    if video:
+        train_x, train_y = _moving_digit_crops(train_x, train_y)
+        test_x, test_y = _moving_digit_crops(test_x, test_y)
     clf = CalibratedClassifierCV(SVC(C=5.0, gamma="scale"), method="temperature", ensemble=False, cv=5)
-    clf.fit(digits_to_features(split.train_x), split.train_y)
-    pred = clf.predict(digits_to_features(split.test_x))
+    clf.fit(digits_to_features(train_x), train_y)
+    pred = clf.predict(digits_to_features(test_x))
     meta = {
+        "input": "video" if video else "image",
         "kind": "CalibratedClassifierCV(SVC(C=5, gamma='scale', rbf), method='temperature')",
-        "test_accuracy": float((pred == split.test_y).mean()),
-        "num_train": len(split.train_y),
-        "num_test": len(split.test_y),
+        "test_accuracy": float((pred == test_y).mean()),
+        "num_train": len(train_y),
+        "num_test": len(test_y),
         "split_seed": seed,
         "classes": [int(c) for c in clf.classes_],
-        "features": "8x8 gray digit in [0,1], white ink on black, row-major (64 values)",
+        "features": "8x8 gray digit in [0,1], white ink on black, row-major (64 values)"
+        + ("; per video frame: the half-frame square around the ink centroid, pooled to 8x8" if video else ""),
         "sklearn_version": sklearn.__version__,
     }
     return clf, meta
