@@ -35,6 +35,7 @@ _BUILTIN_MODULES = (
     "miles.models.sd3.config",
     "miles.models.flux.config",
     "miles.models.qwen_image.config",
+    "miles.models.wan2_2.config",
     "miles.models.pending_families",
 )
 _builtins_loaded = False

@@ -17,26 +17,6 @@ _ATTN = ("to_q", "to_k", "to_v", "to_out.0")
 _ADD_ATTN = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
-@register_train_pipeline_config("wan2_2")
-class Wan22TrainPipelineConfig(TrainPipelineConfig):
-    description = "Wan2.2 text-to-video (two experts: transformer for high noise, transformer_2 for low noise)"
-    hf_ckpt_name_patterns = ("wan2.2", "wan2_2", "wan2-2", "wan22")
-    pipeline_class = "diffusers.WanPipeline"
-    transformer_class = "diffusers.WanTransformer3DModel"
-    fsdp_block_lists = ("blocks",)
-    lora_target_modules = _ATTN
-    condition_inputs = ("encoder_hidden_states",)
-    weight_sync_targets = ("transformer", "transformer_2")
-    cfg_batching = False
-    trainable = False
-    not_trainable_reason = "expert routing and video rollouts are not implemented"
-
-    def check_settings(self, res: Any, job: Any) -> None:
-        super().check_settings(res, job)
-        if job.trains and res["diffusion_guidance_scale_2"] is None:
-            res.fail("--diffusion-guidance-scale-2 is required when training wan2_2 (the low-noise expert's scale)")
-
-
 @register_train_pipeline_config("ltx")
 class LTXTrainPipelineConfig(TrainPipelineConfig):
     description = "LTX-2 text-to-video (audio-video DiT)"

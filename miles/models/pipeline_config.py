@@ -39,6 +39,14 @@ def import_dotted(path: str) -> Any:
     raise ImportError(f"cannot import {path!r}: expected a dotted path 'package.module.attr'")
 
 
+def target_components(value: Any) -> tuple[str, ...]:
+    """`--update-weight-target-module` (a list or a comma-separated string; unset: the transformer) as a tuple."""
+    if value is None:
+        return ("transformer",)
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    return tuple(str(p).strip() for p in items if str(p).strip())
+
+
 class TrainPipelineConfig:
     """What miles needs to know about one diffusion model family.
 
@@ -108,6 +116,9 @@ class TrainPipelineConfig:
     # the transformer's block lists: FSDP2 shards each block on its own (one all-gather per block; a block
     # left out is gathered with the root, all at once)
     fsdp_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+    # the denoiser's components, trained and synced by `--update-weight-target-module` (experts: more than one)
+    experts: ClassVar[tuple[str, ...]] = ()
+    makes_video: ClassVar[bool] = False  # `--diffusion-output-num-frames` > 1 is this family's to honour
 
     # ---- lazy class access -------------------------------------------------------------------
     def load_pipeline_class(self) -> type:
@@ -192,10 +203,14 @@ class TrainPipelineConfig:
         pos: Mapping[str, Any],
         neg: Mapping[str, Any] | None = None,
         cfg_scale: float | None = None,
+        cfg_scale_2: float | None = None,
     ) -> Any:
         """The velocity in fp32 with this family's guidance: one forward, or (when `cfg_scale > 1`) the
         positive and negative branches, in one batch (`cfg_batching`) or two forwards, then `cfg_combine`.
-        The engines, the trainer, DMD2 and SFT all call this, so their forwards are the same computation."""
+        The engines, the trainer, DMD2 and SFT all call this, so their forwards are the same computation.
+        `cfg_scale_2` is the second expert's scale (`--diffusion-guidance-scale-2`, families with experts)."""
+        if cfg_scale_2 is not None and not self.experts:
+            raise ValueError(f"model family {self.name!r} has one transformer: a second guidance scale has no expert")
         if cfg_scale is None or cfg_scale <= 1.0:
             return self.forward_velocity(transformer, latents, timestep, pos).float()
         if neg is None:
@@ -232,12 +247,49 @@ class TrainPipelineConfig:
         out = transformer(hidden_states=latents, timestep=t, return_dict=False, **self.prepare_cond_kwargs(cond))
         return out[0]
 
+    # ---- the denoiser: one transformer, or experts (Wan2.2) -----------------------------------------
+    def denoiser(self, pipe: Any) -> Any:
+        """The module the engines denoise with (`guided_velocity`'s `transformer`) and sync weights into: the
+        pipeline's transformer; a family with experts returns one module holding them (names prefixed by
+        component). Its state-dict names are the ones the trainer's module has."""
+        return pipe.transformer
+
+    def load_denoiser(self, checkpoint: Any, dtype: Any, components: tuple[str, ...] = ("transformer",)) -> Any:
+        """The trainer's module: `components` (`--update-weight-target-module`) loaded from `checkpoint` in
+        `dtype`, with the same state-dict names as `denoiser(pipe)`'s for those components."""
+        import os
+
+        from miles.models.loading import quiet_loading
+
+        with quiet_loading():
+            return self.load_transformer_class().from_pretrained(
+                os.fspath(checkpoint), subfolder=self.transformer_subfolder, dtype=dtype
+            )
+
+    def split_denoiser_state(self, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """A denoiser state dict -> {pipeline subfolder: that component's state} (for exports)."""
+        return {self.transformer_subfolder: dict(state)}
+
+    def bind_checkpoint(self, checkpoint: Any) -> None:
+        """Read what the family needs from a local checkpoint beyond its name (e.g. Wan2.2's expert boundary)
+        before `trainable_steps`; default: nothing."""
+
+    def trainable_steps(self, sigmas: Any, timesteps: Any, components: tuple[str, ...]) -> list[int] | None:
+        """The denoising steps whose transitions the trained `components` make (None: every step). A family with
+        experts confines step strategies to them when only some experts train."""
+        return None
+
     # ---- engine hooks: the VAE side (an AutoencoderKL with shift/scale by default) ---------------
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.transformer.config.in_channels)
 
-    def latent_shape(self, pipe: Any, height: int, width: int) -> tuple[int, ...]:
-        """The natural-layout shape (C, h, w) of one latent for an image of `height` x `width`."""
+    def latent_shape(self, pipe: Any, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        """The natural-layout shape (C, h, w) of one latent for an image of `height` x `width` (a video
+        family: (C, f, h, w) for `num_frames` frames)."""
+        if num_frames != 1:
+            raise ValueError(
+                f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} makes images (use 1)"
+            )
         factor = pipe.vae_scale_factor * (self.latent_patch if self.packs_latents else 1)
         if height % factor or width % factor:
             raise ValueError(
@@ -382,6 +434,42 @@ class TrainPipelineConfig:
                 "(set --diffusion-guidance-scale); a true-CFG scale is for flux (real CFG beside its embedded "
                 "guidance) and qwen_image"
             )
+        self._check_video_and_experts(res)
+
+    def _check_video_and_experts(self, res: Any) -> None:
+        """Frames, fps and frame stride only for a video family; a second guidance scale only with experts;
+        `--update-weight-target-module` names this family's components."""
+        frames = int(res["diffusion_output_num_frames"] or 1)
+        if frames < 1:
+            res.fail(f"{res.show('diffusion_output_num_frames')}: the number of frames must be >= 1")
+        elif frames > 1 and not self.makes_video:
+            res.fail(
+                f"{res.show('diffusion_output_num_frames')}: model family {self.name!r} makes images (use 1); "
+                "frames are for video families such as wan2_2"
+            )
+        if res["diffusion_fps"] is not None and (frames == 1 or not self.makes_video):
+            res.fail(f"{res.show('diffusion_fps')}: the frame rate is for videos (--diffusion-output-num-frames > 1)")
+        stride = res["sft_frame_stride"]
+        if stride is not None and int(stride) < 1:
+            res.fail(f"{res.show('sft_frame_stride')}: the frame stride must be >= 1")
+        elif stride is not None and int(stride) != 1 and not self.makes_video:
+            res.fail(f"{res.show('sft_frame_stride')}: model family {self.name!r} trains on images (frame stride 1)")
+        if res["diffusion_guidance_scale_2"] is not None and not self.experts:
+            res.fail(
+                f"{res.show('diffusion_guidance_scale_2')}: model family {self.name!r} has one transformer; the "
+                "second guidance scale is for the low-noise expert of wan2_2"
+            )
+        value = res["update_weight_target_module"]
+        if value is not None:
+            items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+            parts = [str(p).strip() for p in items]
+            allowed = self.experts or (self.transformer_subfolder,)
+            bad = [p for p in parts if p not in allowed]
+            if bad or not parts or len(set(parts)) != len(parts):
+                res.fail(
+                    f"{res.show('update_weight_target_module')}: model family {self.name!r} trains and syncs "
+                    f"{', '.join(allowed)} (comma-separated, each once)"
+                )
 
     def check_trainable(self, selected_by: str, trainable_families: tuple[str, ...] = ()) -> None:
         """Raise ConfigError (naming `selected_by`, e.g. the flag) when this family has no training path yet."""

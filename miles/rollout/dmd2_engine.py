@@ -114,13 +114,13 @@ def _run_batch(engine: Any, rows: list[tuple[GenerateRequest, int]]) -> list[Sam
         k: v.to(engine.device, engine.dtype if v.is_floating_point() else v.dtype)
         for k, v in family.collate_conditions([c.positive for c in conds]).items()
     }
-    shape = family.latent_shape(pipe, first.height, first.width)
+    shape = family.latent_shape(pipe, first.height, first.width, first.num_frames)
     generators = [cpu_generator(req.seeds[b]) for req, b in rows]
     noise = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         x_in, t_in = x.to(engine.device, engine.dtype), t.to(engine.device)
-        return family.guided_velocity(pipe.transformer, x_in, t_in, model_cond).cpu()
+        return family.guided_velocity(engine.transformer, x_in, t_in, model_cond).cpu()
 
     def fresh_noise(_: torch.Size) -> torch.Tensor:
         return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])

@@ -28,10 +28,44 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def trained_expert_steps(args: Any, num_steps: int) -> list[int] | None:
+    """The steps whose transitions the trained experts make, when the family has experts and only some of them
+    train (`--update-weight-target-module`); None otherwise (every step may be drawn)."""
+    from miles.models.families import resolve_family
+
+    family = resolve_family(
+        args.hf_checkpoint,
+        family=args.diffusion_model_family,
+        config_path=args.train_pipeline_config_path,
+        require_trainable=False,
+    )
+    from miles.models.pipeline_config import target_components
+
+    components = target_components(args.update_weight_target_module)
+    if not family.experts or set(family.experts) <= set(components):
+        return None
+    import json
+
+    import diffusers
+
+    from miles.models.checkpoints import ensure_checkpoint
+
+    checkpoint = ensure_checkpoint(args.hf_checkpoint)
+    family.bind_checkpoint(checkpoint)
+    config = json.loads((checkpoint / "scheduler" / "scheduler_config.json").read_text())
+    scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
+    sigmas, timesteps = family.schedule(scheduler, num_steps, (1, 1, 1, 1), args.diffusion_flow_shift)
+    return family.trainable_steps(sigmas, timesteps, components)
+
+
 def build_requests(
-    args: Any, groups: list[list[Sample]], strategy: Any, evaluation: bool = False
+    args: Any,
+    groups: list[list[Sample]],
+    strategy: Any,
+    evaluation: bool = False,
+    allowed_steps: list[int] | None = None,
 ) -> list[GenerateRequest]:
-    """One request per microgroup, in batch order."""
+    """One request per microgroup, in batch order; `allowed_steps` confines the SDE steps (trained experts)."""
     size = max(1, int(args.rollout_microgroup_size))
     num_steps = (
         int(args.diffusion_eval_num_steps or args.diffusion_num_steps) if evaluation else int(args.diffusion_num_steps)
@@ -44,7 +78,7 @@ def build_requests(
             if evaluation or deterministic:  # no stochastic step: nothing for a strategy to choose
                 sde_steps: list[list[int]] = [[] for _ in micro]
             else:
-                sde_steps = [select_steps(args, s, num_steps, s.seed, strategy)[0] for s in micro]
+                sde_steps = [select_steps(args, s, num_steps, s.seed, strategy, allowed_steps)[0] for s in micro]
             requests.append(
                 GenerateRequest(
                     prompt=micro[0].prompt,
@@ -62,6 +96,11 @@ def build_requests(
                     negative_prompt=args.diffusion_negative_prompt,
                     evaluation=evaluation,
                     true_cfg_scale=args.diffusion_true_cfg_scale,
+                    num_frames=int(args.diffusion_output_num_frames),
+                    fps=None if args.diffusion_fps is None else float(args.diffusion_fps),
+                    guidance_scale_2=None
+                    if args.diffusion_guidance_scale_2 is None
+                    else float(args.diffusion_guidance_scale_2),
                 )
             )
     return requests
@@ -292,7 +331,9 @@ class RolloutManager:
         args = self.args
         start = time.perf_counter()
         groups = self.data_source.get_samples(int(args.rollout_batch_size))
-        requests = build_requests(args, groups, self.strategy)
+        if not hasattr(self, "_allowed_steps"):
+            self._allowed_steps = trained_expert_steps(args, int(args.diffusion_num_steps))
+        requests = build_requests(args, groups, self.strategy, allowed_steps=self._allowed_steps)
         by_index = {s.index: s for s in self.run_requests(requests, score=True)}
         generated = time.perf_counter()
         groups = [[_merge(s, by_index[s.index]) for s in group] for group in groups]

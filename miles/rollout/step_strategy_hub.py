@@ -167,20 +167,64 @@ def _check_indices(values: Any, upper: int, what: str, name: str) -> list[int]:
     return out
 
 
+class _Confined:
+    """`args` seen by a strategy confined to the steps `allowed` (a contiguous range): the SDE window range is
+    intersected with it and the candidate steps are filtered to it."""
+
+    def __init__(self, args: Any, allowed: list[int], num_steps: int) -> None:
+        self._args = args
+        lo, hi = _window_range(args, num_steps)
+        lo, hi = max(lo, allowed[0]), min(hi, allowed[-1] + 1)
+        if lo >= hi:
+            raise ValueError(
+                f"--diffusion-sde-window-range {_window_range(args, num_steps)} holds none of the trained "
+                f"experts' steps {allowed[0]}..{allowed[-1]} (--update-weight-target-module)"
+            )
+        self.diffusion_sde_window_range = [lo, hi]
+        candidates = getattr(args, "diffusion_sde_candidate_steps", None)
+        if candidates:
+            self.diffusion_sde_candidate_steps = [int(c) for c in candidates if int(c) in allowed] or None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._args, name)
+
+
 def select_steps(
-    args: Any, sample: Any, num_steps: int, seed: int, strategy: StepStrategy | None = None
+    args: Any,
+    sample: Any,
+    num_steps: int,
+    seed: int,
+    strategy: StepStrategy | None = None,
+    allowed: list[int] | None = None,
 ) -> tuple[list[int], list[int] | None]:
     """Run the strategy (resolved from `args` unless given) and normalize its answer for the engine.
 
     Returns `(sde_steps, return_steps)`: sorted, de-duplicated, range-checked; `sde_steps` is a list
-    (possibly empty), `return_steps` stays None when the strategy has no preference.
+    (possibly empty), `return_steps` stays None when the strategy has no preference. `allowed` (a
+    contiguous run of steps: those of the experts that train, `TrainPipelineConfig.trainable_steps`)
+    confines the draw: the strategy sees the window range and candidates cut to it, the default's
+    every-step selection keeps only those, and any other step it returns is an error.
     """
     fn = strategy or resolve_step_strategy(args)
     name = getattr(fn, "__qualname__", repr(fn))
+    if allowed is not None:
+        if not allowed:
+            raise ValueError("the trained experts make none of the denoising steps (--update-weight-target-module)")
+        args = _Confined(args, allowed, num_steps)
     result = fn(args, sample, num_steps, seed)
     if not isinstance(result, tuple) or len(result) != 2:
         raise TypeError(f"step strategy {name} must return (sde_step_indices, return_step_indices), got {result!r}")
     sde_steps, return_steps = result
     sde = [] if sde_steps is None else _check_indices(sde_steps, num_steps - 1, "SDE steps", name)
     ret = None if return_steps is None else _check_indices(return_steps, num_steps, "return steps", name)
+    if allowed is not None:
+        if fn is default_steps:
+            sde = [i for i in sde if i in allowed]
+            ret = return_indices(sde) if ret is not None else None
+        outside = [i for i in sde if i not in allowed]
+        if outside:
+            raise ValueError(
+                f"step strategy {name} chose SDE steps {outside}, which the experts that train do not make "
+                f"(their steps: {allowed[0]}..{allowed[-1]}; --update-weight-target-module)"
+            )
     return sde, ret

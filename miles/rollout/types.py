@@ -12,7 +12,8 @@ Shapes (one sample; T = number of denoising steps, latents are C x h x w):
     Trajectory.log_probs    [len(sde_step_indices)]  log-prob of each recorded SDE transition
                                             x_i -> x_{i+1}, averaged over latent elements
     Conditions.*            the prompt's encoder outputs (positive; negative when CFG is on)
-    Sample.image            [3, H, W] float in [0, 1], the decoded image the reward saw
+    Sample.image            [3, H, W] float in [0, 1], the decoded image the reward saw; a video sample's
+                            is [3, F, H, W] (latents are then C x f x h x w)
 """
 
 from __future__ import annotations
@@ -54,9 +55,15 @@ class Conditions:
     positive: dict[str, torch.Tensor]
     negative: dict[str, torch.Tensor] | None = None
     guidance_scale: float = 1.0
+    guidance_scale_2: float | None = None  # a second expert's CFG scale (Wan2.2's low-noise expert)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"positive": self.positive, "negative": self.negative, "guidance_scale": self.guidance_scale}
+        return {
+            "positive": self.positive,
+            "negative": self.negative,
+            "guidance_scale": self.guidance_scale,
+            "guidance_scale_2": self.guidance_scale_2,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Conditions:

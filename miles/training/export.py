@@ -41,22 +41,22 @@ def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
+    parts = family.split_denoiser_state(state)  # {subfolder: its state}: one transformer, or the trained experts
     with atomic_directory(out) as tmp:
         if base is not None:
             for entry in base.iterdir():
-                if entry.name != family.transformer_subfolder:
+                if entry.name not in parts:
                     os.symlink(entry.resolve(), tmp / entry.name, target_is_directory=entry.is_dir())
         source = os.fspath(base) if base is not None else str(args.hf_checkpoint)
-        with quiet_loading():
-            transformer = family.load_transformer_class().from_pretrained(
-                source, subfolder=family.transformer_subfolder
-            )
-        missing, unexpected = transformer.load_state_dict(state, strict=False)
-        if unexpected or missing:
-            raise RuntimeError(
-                f"export: state does not fit the transformer (missing {missing[:3]}, extra {unexpected[:3]})"
-            )
-        transformer.save_pretrained(tmp / family.transformer_subfolder)
+        for subfolder, part in parts.items():
+            with quiet_loading():
+                transformer = family.load_transformer_class().from_pretrained(source, subfolder=subfolder)
+            missing, unexpected = transformer.load_state_dict(part, strict=False)
+            if unexpected or missing:
+                raise RuntimeError(
+                    f"export: state does not fit the {subfolder} (missing {missing[:3]}, extra {unexpected[:3]})"
+                )
+            transformer.save_pretrained(tmp / subfolder)
     return out
 
 

@@ -27,19 +27,33 @@ def family_of(args: Any) -> TrainPipelineConfig:
     )
 
 
-def load_transformer(args: Any, family: TrainPipelineConfig) -> torch.nn.Module:
-    """The DiT in the master dtype (`--fsdp-master-dtype`), in train mode."""
-    from miles.models.loading import quiet_loading
+def target_components(args: Any) -> tuple[str, ...]:
+    """`--update-weight-target-module`: the denoiser components to load, train and sync."""
+    from miles.models.pipeline_config import target_components as parse
 
-    checkpoint = ensure_checkpoint(args.hf_checkpoint)
-    cls = family.load_transformer_class()
-    with quiet_loading():
-        model = cls.from_pretrained(
-            os.fspath(checkpoint), subfolder=family.transformer_subfolder, dtype=DTYPES[args.fsdp_master_dtype]
-        )
-    if args.gradient_checkpointing and hasattr(model, "enable_gradient_checkpointing"):
-        model.enable_gradient_checkpointing()
+    return parse(getattr(args, "update_weight_target_module", None))
+
+
+def load_transformer(args: Any, family: TrainPipelineConfig, checkpoint: Any = None) -> torch.nn.Module:
+    """The DiT (the family's denoiser: the transformer, or the experts `--update-weight-target-module` names)
+    in the master dtype (`--fsdp-master-dtype`), in train mode."""
+    checkpoint = ensure_checkpoint(checkpoint if checkpoint is not None else args.hf_checkpoint)
+    model = family.load_denoiser(os.fspath(checkpoint), DTYPES[args.fsdp_master_dtype], target_components(args))
+    if args.gradient_checkpointing:
+        for module in [model, *model.children()]:
+            if hasattr(module, "enable_gradient_checkpointing"):
+                module.enable_gradient_checkpointing()
     return model.train()
+
+
+def _submodules(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
+    """The blocks at dotted attribute `path` of `model` (an empty list when any part is missing)."""
+    obj: Any = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return []
+    return list(obj)
 
 
 def lora_targets(args: Any, family: TrainPipelineConfig) -> list[str]:
@@ -130,7 +144,7 @@ def shard(
     # op on it would skip the backward hook. Every forward_velocity uses the output out of place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     for name in block_lists:
-        for block in getattr(model, name, []):
+        for block in _submodules(model, name):
             fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -105,7 +105,9 @@ class Trainer:
         cfg = cfg_scale is not None and cfg_scale > 1.0
         neg = stack_conditions(samples, negative=True, family=self.family) if cfg else None
         pos = stack_conditions(samples, negative=False, family=self.family)
-        return self.dit_velocity(x, timesteps, pos, neg, cfg_scale)
+        first = samples[0].conditions if samples else None
+        scale_2 = first.guidance_scale_2 if cfg and first is not None else None
+        return self.dit_velocity(x, timesteps, pos, neg, cfg_scale, scale_2)
 
     def dit_velocity(
         self,
@@ -114,10 +116,13 @@ class Trainer:
         pos: dict[str, torch.Tensor],
         neg: dict[str, torch.Tensor] | None,
         cfg_scale: float | None,
+        cfg_scale_2: float | None = None,
     ) -> torch.Tensor:
         """`velocity` on batched condition tensors (`neg` is needed when `cfg_scale > 1`): the family's
-        guided forward, the same computation the engine ran."""
-        return self.family.guided_velocity(self.model, x.to(self.forward_dtype), timesteps, pos, neg, cfg_scale)
+        guided forward, the same computation the engine ran (`cfg_scale_2`: a second expert's scale)."""
+        return self.family.guided_velocity(
+            self.model, x.to(self.forward_dtype), timesteps, pos, neg, cfg_scale, cfg_scale_2
+        )
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:

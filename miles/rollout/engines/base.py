@@ -34,6 +34,9 @@ class GenerateRequest:
     evaluation: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     true_cfg_scale: float | None = None  # --diffusion-true-cfg-scale (families with embedded guidance or true CFG)
+    num_frames: int = 1  # --diffusion-output-num-frames (1: an image)
+    fps: float | None = None  # --diffusion-fps (video only: the frame rate of the video files)
+    guidance_scale_2: float | None = None  # --diffusion-guidance-scale-2 (Wan2.2's low-noise expert)
 
     def __post_init__(self) -> None:
         m = len(self.seeds)

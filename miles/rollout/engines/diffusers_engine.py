@@ -57,6 +57,8 @@ def _batch_key(req: GenerateRequest) -> tuple[Any, ...]:
         req.negative_prompt,
         req.noise_level,
         req.sde_type,
+        req.num_frames,
+        req.guidance_scale_2,
     )
 
 
@@ -89,11 +91,13 @@ class DiffusersEngine:
         self.lora_merger = LoraMerger()  # base copies for LoRA-only sync (--lora-ipc-weight-sync)
         self._guest: tuple[str, DiffusersEngine] | None = None
         self._offloader: Any = None
+        self._denoiser = self.family.denoiser(self.pipe)  # the transformer, or the experts as one module
 
     # ---- weights --------------------------------------------------------------------------------
     @property
     def transformer(self) -> torch.nn.Module:
-        return self.pipe.transformer
+        """What the engine denoises with and syncs weights into (`TrainPipelineConfig.denoiser`)."""
+        return self._denoiser
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Load (a subset of) the transformer's weights, and merge LoRA entries (`<module>.lora_A|lora_B|
@@ -190,6 +194,7 @@ class DiffusersEngine:
         m = len(seeds)
         cfg_scale = family.cfg_scale(req.guidance_scale, req.true_cfg_scale)
         do_cfg = cfg_scale > 1.0
+        scale_2 = req.guidance_scale_2 if do_cfg else None
         pos, neg = family.encode_prompts(
             pipe,
             [r.prompt for r in reqs],
@@ -206,7 +211,7 @@ class DiffusersEngine:
             cond_batch = {k: v[rows.to(v.device)] for k, v in pos.items()}
             neg_batch = {k: v[rows.to(v.device)] for k, v in neg.items()} if neg is not None else None
 
-        shape = family.latent_shape(pipe, req.height, req.width)
+        shape = family.latent_shape(pipe, req.height, req.width, req.num_frames)
         sigmas, timesteps = self._schedule(req.num_steps, shape)
         generators = [cpu_generator(seed) for seed in seeds]
         x = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
@@ -219,7 +224,7 @@ class DiffusersEngine:
         for i in range(req.num_steps):
             t = timesteps[i].expand(m).to(self.device)
             model_in = x.to(self.device, self.dtype)
-            v = family.guided_velocity(pipe.transformer, model_in, t, cond_batch, neg_batch, cfg_scale).cpu()
+            v = family.guided_velocity(self.transformer, model_in, t, cond_batch, neg_batch, cfg_scale, scale_2).cpu()
             rows = [b for b in range(m) if i in sde_sets[b]] if req.noise_level > 0 and req.sde_type != "ode" else []
             if len(rows) < m:
                 ode = sde_step(v, x, sigmas[i], sigmas[i + 1], sde_type="ode", noise_level=0.0)
@@ -275,7 +280,7 @@ class DiffusersEngine:
                 owner.sample(
                     j,
                     trajectory=trajectory,
-                    conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, stored_cfg),
+                    conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, stored_cfg, scale_2),
                     image=images[b],
                     inference_time_s=elapsed / m,
                 )

@@ -1,0 +1,253 @@
+"""The `wan2_2` family: Wan2.2-T2V-A14B and the embedded `tiny-wan2_2`, text-to-video with two experts.
+
+Torch-free at import. What differs from the image families, all inside this config:
+  * 5-D latents `[B, C, f, h, w]` (f = (frames - 1) / the VAE's temporal factor + 1), decoded to videos
+    `[B, 3, F, H, W]` (one frame: an image `[B, 3, H, W]`); the VAE normalises per channel;
+  * two experts (`miles.models.wan2_2.experts.WanExperts`): `transformer` for t >= boundary_ratio * 1000,
+    `transformer_2` below, with `--diffusion-guidance-scale-2` for the low-noise one; CFG runs when the
+    first scale is > 1 (as `WanPipeline`); `--update-weight-target-module` names the experts a job loads,
+    trains and syncs, and confines SDE steps to theirs;
+  * the hub checkpoint ships UniPC (multistep, not a Gaussian step): rollouts step with Euler on the same
+    shifted grid (`flow_shift`), as sglang does; the timestep goes to the DiT unscaled (0..1000);
+  * UMT5 text states padded to the text length with zeros (no mask), as `WanPipeline` encodes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from miles.models.families import register_train_pipeline_config
+from miles.models.pipeline_config import TrainPipelineConfig, target_components
+
+EXPERTS = ("transformer", "transformer_2")
+_ATTN = tuple(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0"))
+WAN_LORA_TARGET_MODULES: tuple[str, ...] = (*_ATTN, "ffn.net.0.proj", "ffn.net.2")
+
+
+@register_train_pipeline_config("wan2_2")
+class Wan22TrainPipelineConfig(TrainPipelineConfig):
+    description = "Wan2.2 text-to-video (two experts: transformer for high noise, transformer_2 for low noise)"
+    hf_ckpt_name_patterns = ("wan2.2", "wan2_2", "wan2-2", "wan22")
+    pipeline_class = "diffusers.WanPipeline"
+    transformer_class = "diffusers.WanTransformer3DModel"
+    fsdp_block_lists = ("transformer.blocks", "transformer_2.blocks")
+    lora_target_modules = WAN_LORA_TARGET_MODULES
+    condition_inputs = ("encoder_hidden_states",)
+    weight_sync_targets = EXPERTS
+    experts = EXPERTS
+    makes_video = True
+    cfg_batching = False
+    sde_timestep_divisor = 1000.0
+    max_sequence_length = 512
+    trainable = True
+    sglang_model_id = "Wan2.2-T2V-A14B-Diffusers"
+
+    # ---- schedule: Euler on the checkpoint's shifted grid --------------------------------------------
+    def schedule(
+        self, scheduler: Any, num_steps: int, latent_shape: tuple[int, ...], flow_shift: float | None = None
+    ) -> tuple[Any, Any]:
+        """A UniPC checkpoint steps with FlowMatchEuler at its `flow_shift` (`--diffusion-flow-shift` replaces
+        it); a flow-matching Euler checkpoint as the base class sets it."""
+        if "flow_shift" not in scheduler.config:
+            return super().schedule(scheduler, num_steps, latent_shape, flow_shift)
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from miles.models.pipeline_config import scheduler_schedule
+
+        shift = float(flow_shift if flow_shift is not None else scheduler.config.flow_shift)
+        euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.config.num_train_timesteps, shift=shift)
+        euler.set_timesteps(num_steps, device="cpu")
+        return scheduler_schedule(euler)
+
+    def trainable_steps(self, sigmas: Any, timesteps: Any, components: tuple[str, ...]) -> list[int] | None:
+        if set(EXPERTS) <= set(components):
+            return None
+        from miles.models.wan2_2.experts import HIGH
+
+        boundary = self.boundary
+        return [
+            i for i, t in enumerate(timesteps.tolist()) if (HIGH if t >= boundary else "transformer_2") in components
+        ]
+
+    boundary: float = 875.0  # set from the checkpoint by `bind_checkpoint`
+
+    def bind_checkpoint(self, checkpoint: Any) -> None:
+        """Read the expert boundary (model_index `boundary_ratio` x the scheduler's train timesteps)."""
+        from miles.models.wan2_2.experts import boundary_timestep
+
+        ratio, steps = _boundary_config(checkpoint)
+        self.boundary = boundary_timestep(ratio, steps)
+
+    # ---- the experts ------------------------------------------------------------------------------
+    def denoiser(self, pipe: Any) -> Any:
+        from miles.models.wan2_2.experts import WanExperts
+
+        experts = WanExperts.of_pipeline(pipe)
+        self.boundary = experts.boundary_timestep
+        return experts
+
+    def load_denoiser(self, checkpoint: Any, dtype: Any, components: tuple[str, ...] = EXPERTS) -> Any:
+        from miles.models.loading import quiet_loading
+        from miles.models.wan2_2.experts import WanExperts, boundary_timestep
+
+        cls = self.load_transformer_class()
+        with quiet_loading():
+            experts = {
+                name: cls.from_pretrained(os.fspath(checkpoint), subfolder=name, dtype=dtype)
+                for name in EXPERTS
+                if name in components
+            }
+        ratio, steps = _boundary_config(checkpoint)
+        self.boundary = boundary_timestep(ratio, steps)
+        return WanExperts(experts, self.boundary)
+
+    def split_denoiser_state(self, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for key, value in state.items():
+            name, _, rest = key.partition(".")
+            if name not in EXPERTS:
+                raise KeyError(f"{key!r} belongs to no Wan expert {EXPERTS}")
+            out.setdefault(name, {})[rest] = value
+        return out
+
+    # ---- text ----------------------------------------------------------------------------------------
+    def encode_prompts(
+        self,
+        pipe: Any,
+        prompts: list[str],
+        negative_prompt: str | None,
+        do_cfg: bool,
+        max_sequence_length: int,
+        guidance: float | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """UMT5 states (zero past each prompt's tokens); the negative prompt defaults to "" as in WanPipeline."""
+        pos, neg = pipe.encode_prompt(
+            prompt=prompts,
+            negative_prompt=[negative_prompt or ""] * len(prompts) if do_cfg else None,
+            do_classifier_free_guidance=do_cfg,
+            max_sequence_length=max_sequence_length,
+            device=pipe._execution_device,
+        )
+        return {"encoder_hidden_states": pos}, ({"encoder_hidden_states": neg} if do_cfg else None)
+
+    # ---- forward ---------------------------------------------------------------------------------------
+    def guided_velocity(
+        self,
+        transformer: Any,
+        latents: Any,
+        timestep: Any,
+        pos: Mapping[str, Any],
+        neg: Mapping[str, Any] | None = None,
+        cfg_scale: float | None = None,
+        cfg_scale_2: float | None = None,
+    ) -> Any:
+        """CFG when the first scale is > 1 (WanPipeline's rule), each row at its expert's scale: the first for
+        t >= the boundary, `cfg_scale_2` (default: the first) below it. Two forwards (pos, neg)."""
+        if cfg_scale is None or cfg_scale <= 1.0:
+            return self.forward_velocity(transformer, latents, timestep, pos).float()
+        if neg is None:
+            raise ValueError(f"CFG at scale {cfg_scale} needs negative conditions")
+        scale: Any = float(cfg_scale)
+        if cfg_scale_2 is not None:
+            import torch
+
+            boundary = getattr(transformer, "boundary_timestep", self.boundary)
+            high = timestep.reshape(-1) >= boundary
+            if not bool(high.any()):
+                scale = float(cfg_scale_2)
+            elif not bool(high.all()):
+                rows = torch.where(high, float(cfg_scale), float(cfg_scale_2)).to(torch.float32)
+                scale = rows.view(-1, *([1] * (latents.dim() - 1))).to(latents.device)
+        v_pos = self.forward_velocity(transformer, latents, timestep, pos).float()
+        v_neg = self.forward_velocity(transformer, latents, timestep, neg).float()
+        return self.cfg_combine(v_pos, v_neg, scale)
+
+    # ---- the video VAE -------------------------------------------------------------------------------
+    def latent_channels(self, pipe: Any) -> int:
+        return int(pipe.vae.config.z_dim)
+
+    def latent_shape(self, pipe: Any, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
+        factor = spatial * 2  # the experts' 2x2 patches
+        if height % factor or width % factor:
+            raise ValueError(
+                f"--diffusion-height/--diffusion-width must be multiples of {factor} for model family "
+                f"{self.name!r}, got {height}x{width}"
+            )
+        if num_frames < 1 or (num_frames - 1) % temporal:
+            raise ValueError(
+                f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
+                f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
+            )
+        return (
+            self.latent_channels(pipe),
+            (num_frames - 1) // temporal + 1,
+            height // spatial,
+            width // spatial,
+        )
+
+    def _stats(self, vae: Any, like: Any) -> tuple[Any, Any]:
+        import torch
+
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
+        std = torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+        return mean, std
+
+    def encode_images(self, pipe: Any, pixels: Any) -> Any:
+        """Videos [B, 3, F, H, W] (or images [B, 3, H, W], one frame) in [-1, 1] -> normalised latents
+        [B, C, f, h, w] (the posterior mean)."""
+        vae = pipe.vae
+        video = pixels if pixels.dim() == 5 else pixels[:, :, None]
+        z = vae.encode(video.to(vae.dtype)).latent_dist.mean
+        mean, std = self._stats(vae, z)
+        return (z - mean) / std
+
+    def decode_latents(self, pipe: Any, latents: Any) -> Any:
+        """Latents [B, C, f, h, w] -> videos [B, 3, F, H, W] in [0, 1] (one frame: images [B, 3, H, W])."""
+        vae = pipe.vae
+        z = latents.to(vae.dtype)
+        mean, std = self._stats(vae, z)
+        video = vae.decode(z * std + mean, return_dict=False)[0]
+        video = (video.float() / 2 + 0.5).clamp(0, 1)
+        return video[:, :, 0] if video.shape[2] == 1 else video
+
+    # ---- validation -------------------------------------------------------------------------------
+    def check_settings(self, res: Any, job: Any) -> None:
+        super().check_settings(res, job)
+        components = target_components(res["update_weight_target_module"])
+        samples = job.generates or bool(res["eval_prompt_data"]) or bool(res["eval_config"])
+        cfg = float(res["diffusion_guidance_scale"]) > 1.0
+        low_runs = samples or (job.trains and "transformer_2" in components)
+        if cfg and low_runs and res["diffusion_guidance_scale_2"] is None:
+            res.fail(
+                "--diffusion-guidance-scale-2 is required for wan2_2 (the low-noise expert transformer_2's CFG "
+                f"scale; {res.show('diffusion_guidance_scale')} is the high-noise expert's)"
+            )
+        if not cfg and res["diffusion_guidance_scale_2"] is not None and float(res["diffusion_guidance_scale_2"]) > 1:
+            res.fail(
+                f"{res.show('diffusion_guidance_scale_2')}: wan2_2 runs CFG only when --diffusion-guidance-scale "
+                "is > 1 (as WanPipeline), so the low-noise scale would be ignored"
+            )
+
+
+def _boundary_config(checkpoint: Any) -> tuple[float | None, int]:
+    """(`boundary_ratio` of model_index.json, the scheduler's `num_train_timesteps`) of a local checkpoint;
+    Wan2.2-T2V-A14B's (0.875, 1000) when the files are not here."""
+    root = os.fspath(checkpoint)
+    ratio: float | None = 0.875
+    steps = 1000
+    try:
+        with open(os.path.join(root, "model_index.json")) as f:
+            ratio = json.load(f).get("boundary_ratio", ratio)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "scheduler", "scheduler_config.json")) as f:
+            steps = int(json.load(f).get("num_train_timesteps", steps))
+    except (OSError, ValueError):
+        pass
+    return ratio, steps
