@@ -270,6 +270,11 @@ class TrainPipelineConfig:
         """A denoiser state dict -> {pipeline subfolder: that component's state} (for exports)."""
         return {self.transformer_subfolder: dict(state)}
 
+    def trainable_sigma_range(self, components: tuple[str, ...]) -> tuple[float, float] | None:
+        """The sigmas the trained `components` denoise, as [lo, hi) (None: all): SFT and NFT draw their noise
+        levels inside it when only some experts train."""
+        return None
+
     def bind_checkpoint(self, checkpoint: Any) -> None:
         """Read what the family needs from a local checkpoint beyond its name (e.g. Wan2.2's expert boundary)
         before `trainable_steps`; default: nothing."""

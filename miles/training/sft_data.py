@@ -1,7 +1,9 @@
 """SFT data: image + caption JSONL rows, encoded once into clean latents and prompt conditions.
 
-A row is `{"image": "path.png", "<input-key>": "caption", "metadata": {...}}`; a relative image
-path is relative to the JSONL file. Images are resized (center crop) to `--diffusion-height/width`
+A row is `{"image": "path.png", "<input-key>": "caption", "metadata": {...}}` or, for a video family,
+`{"video": "clip.webp", ...}` (animated WebP/GIF; frames at `--sft-frame-stride`, the first
+`--diffusion-output-num-frames` of them when that is > 1); a relative path is relative to the JSONL file.
+Images (and frames) are resized (center crop) to `--diffusion-height/width`
 and encoded with the pipeline's VAE (`--sft-encoder-checkpoint`, default `--hf-checkpoint`) into
 normalised latents; captions are encoded once each. A caption is replaced by the negative prompt's
 conditions with probability `SFT_CFG_DROPOUT`, so classifier-free guidance works at sampling time.
@@ -25,7 +27,7 @@ SFT_CFG_DROPOUT = 0.1
 
 @dataclass
 class SFTDataset:
-    latents: torch.Tensor  # [N, C, h, w] normalised, fp32
+    latents: torch.Tensor  # [N, C, h, w] normalised, fp32 (a video family's: [N, C, f, h, w])
     conditions: list[Conditions]  # per row: positive = caption; negative = the empty prompt
     prompts: list[str]
     metadata: list[dict[str, Any]]
@@ -55,8 +57,8 @@ class SFTDataset:
 def read_rows(path: Path, input_key: str) -> list[dict[str, Any]]:
     rows = []
     for where, _, row in iter_jsonl_objects(path, "SFT data"):
-        if "image" not in row or input_key not in row:
-            raise ConfigError(f"{where}: an SFT row needs 'image' and {input_key!r} (--input-key)")
+        if ("image" not in row and "video" not in row) or input_key not in row:
+            raise ConfigError(f"{where}: an SFT row needs 'image' (or 'video') and {input_key!r} (--input-key)")
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: no SFT rows")
@@ -76,6 +78,18 @@ def _load_image(path: Path, size: tuple[int, int]) -> np.ndarray:
     return np.asarray(image, dtype=np.float32) / 255.0
 
 
+def _load_pixels(root: Path, row: dict[str, Any], size: tuple[int, int], stride: int, frames: int | None) -> Any:
+    """A row's image `[3, H, W]` or video `[3, F, H, W]` in [0, 1] (video frames at `--sft-frame-stride`)."""
+    if "video" in row:
+        from miles.io.video import load_sft_video
+
+        video = load_sft_video((root / row["video"]).resolve(), size, frame_stride=stride, num_frames=frames)
+        return torch.from_numpy(video).permute(3, 0, 1, 2)
+    if stride != 1 or (frames or 1) > 1:
+        raise ConfigError(f"SFT row with image {row['image']!r}: frames and --sft-frame-stride need 'video' rows")
+    return torch.from_numpy(_load_image((root / row["image"]).resolve(), size)).permute(2, 0, 1)
+
+
 @torch.no_grad()
 def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     from miles.data.builtin import is_builtin_dataset, resolve_dataset
@@ -92,9 +106,19 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     with quiet_loading():
         pipe = family.load_pipeline_class().from_pretrained(checkpoint, transformer=None, dtype=torch.float32)
     size = (int(args.diffusion_height), int(args.diffusion_width))
-    images = np.stack([_load_image((path.parent / r["image"]).resolve(), size) for r in rows])
-    pixels = torch.from_numpy(images).permute(0, 3, 1, 2) * 2 - 1
-    latents = [family.encode_images(pipe, pixels[i : i + batch_size]) for i in range(0, len(pixels), batch_size)]
+    frames = int(args.diffusion_output_num_frames)
+    stride = int(args.sft_frame_stride or 1)
+    latents = []
+    for i in range(0, len(rows), batch_size):
+        cut = frames if frames > 1 else None
+        batch = [_load_pixels(path.parent, r, size, stride, cut) for r in rows[i : i + batch_size]]
+        shapes = {tuple(b.shape) for b in batch}
+        if len(shapes) != 1:
+            raise ConfigError(
+                f"{path}: SFT rows {i}..{i + len(batch) - 1} decode to different shapes {sorted(shapes)}; videos "
+                "need equal frame counts (set --diffusion-output-num-frames to cut them)"
+            )
+        latents.append(family.encode_images(pipe, torch.stack(batch) * 2 - 1))
     max_len = max_sequence_length(checkpoint, default=family.max_sequence_length)
     captions = [str(r[args.input_key]) for r in rows]
     cache: dict[str, Conditions] = {}

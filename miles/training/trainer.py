@@ -33,6 +33,7 @@ from miles.training.model import (
     merged_base_state_dict,
     parallelize_attention,
     shard,
+    target_components,
 )
 from miles.training.pairs import Pair, dp_shard, expand_flow_grpo, flow_grpo_batch, micro_batches, stack_conditions
 from miles.training.parallel import build_layout, process_group_backend, timeout_of
@@ -240,6 +241,7 @@ class Trainer:
 
     def _expand_nft(self, samples: list[Sample]) -> list[Pair]:
         pairs = []
+        sigma_range = self.family.trainable_sigma_range(target_components(self.args))
         for sample in samples:
             if sample.remove_sample or sample.trajectory is None:
                 continue
@@ -249,7 +251,10 @@ class Trainer:
                 shuffle=not self.args.no_diffusion_nft_shuffle_timesteps,
                 generator=self.generator,
             )
-            pairs.extend(Pair(sample, i, -1, float(s)) for i, s in enumerate(sigmas.reshape(-1).tolist()))
+            kept = [(i, float(s)) for i, s in enumerate(sigmas.reshape(-1).tolist())]
+            if sigma_range is not None:  # only some experts train: the noise levels they denoise
+                kept = [(i, s) for i, s in kept if sigma_range[0] <= s < sigma_range[1] or s == sigma_range[1] == 1.0]
+            pairs.extend(Pair(sample, i, -1, s) for i, s in kept)
         return pairs
 
     def _nft_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -286,11 +291,14 @@ class Trainer:
         """One optimizer step of flow matching on clean latents `x0` with their samples' conditions."""
         start = time.perf_counter()
         pairs = [Pair(s, 0, i) for i, s in enumerate(conditions)]
+        sigma_range = self.family.trainable_sigma_range(target_components(self.args))
 
         def micro(batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
             idx = [p.slot for p in batch]
             clean = x0[idx].float()
             sigma = sample_sigmas(len(batch), self.generator, shift=self.args.fsdp_flow_shift)
+            if sigma_range is not None:  # only some experts train: their noise levels only
+                sigma = sigma_range[0] + (sigma_range[1] - sigma_range[0]) * sigma
             noise = torch.randn(clean.shape, generator=self.generator)
             x_t = noisy_latents(clean, noise, sigma)
             if self.hooks.loss is not None:  # --loss-type custom_loss

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from miles.models.families import register_train_pipeline_config
-from miles.models.pipeline_config import TrainPipelineConfig, target_components
+from miles.models.pipeline_config import TrainPipelineConfig
 
 EXPERTS = ("transformer", "transformer_2")
 _ATTN = tuple(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0"))
@@ -73,6 +73,12 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         ]
 
     boundary: float = 875.0  # set from the checkpoint by `bind_checkpoint`
+
+    def trainable_sigma_range(self, components: tuple[str, ...]) -> tuple[float, float] | None:
+        if set(EXPERTS) <= set(components):
+            return None
+        edge = self.boundary / 1000.0
+        return (edge, 1.0) if "transformer" in components else (0.0, edge)
 
     def bind_checkpoint(self, checkpoint: Any) -> None:
         """Read the expert boundary (model_index `boundary_ratio` x the scheduler's train timesteps)."""
@@ -218,11 +224,11 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
     # ---- validation -------------------------------------------------------------------------------
     def check_settings(self, res: Any, job: Any) -> None:
         super().check_settings(res, job)
-        components = target_components(res["update_weight_target_module"])
+        # the low-noise expert samples with CFG in every job that samples (a rollout, an evaluation); SFT's
+        # training forward runs without CFG
         samples = job.generates or bool(res["eval_prompt_data"]) or bool(res["eval_config"])
         cfg = float(res["diffusion_guidance_scale"]) > 1.0
-        low_runs = samples or (job.trains and "transformer_2" in components)
-        if cfg and low_runs and res["diffusion_guidance_scale_2"] is None:
+        if cfg and samples and res["diffusion_guidance_scale_2"] is None:
             res.fail(
                 "--diffusion-guidance-scale-2 is required for wan2_2 (the low-noise expert transformer_2's CFG "
                 f"scale; {res.show('diffusion_guidance_scale')} is the high-noise expert's)"
