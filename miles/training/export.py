@@ -62,7 +62,9 @@ def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_
 
 def export_lora(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
     """The trained LoRA in diffusers/peft format (`pytorch_lora_weights.safetensors` + its LoraConfig),
-    loadable with `pipeline.load_lora_weights(out_dir)`."""
+    loadable with `pipeline.load_lora_weights(out_dir)`. A family with experts gets one adapter per trained
+    expert in `out_dir/<expert>/` (diffusers' Wan convention: `load_lora_weights(out_dir / "transformer_2",
+    load_into_transformer_2=True)` for the low-noise one)."""
     from miles.training.model import lora_targets
 
     layers = {k.replace(".default", ""): v.contiguous() for k, v in state.items() if "lora_" in k}
@@ -77,8 +79,12 @@ def export_lora(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir:
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
+    parts = family.split_denoiser_state(layers) if family.experts else {"": layers}
     with atomic_directory(out) as tmp:
-        family.load_pipeline_class().save_lora_weights(
-            tmp, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata
-        )
+        for subfolder, part in parts.items():
+            family.load_pipeline_class().save_lora_weights(
+                tmp / subfolder if subfolder else tmp,
+                transformer_lora_layers=part,
+                transformer_lora_adapter_metadata=metadata,
+            )
     return out
