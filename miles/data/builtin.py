@@ -6,6 +6,13 @@
     digits:sft       SFT image+caption JSONL of the train split ({"image": rel_png, "input": ...})
     digits:sft-test  the same for the test split
 
+    digits-video:train     prompt JSONL of moving digits ({"input": "the digit 7 moving left",
+                           "metadata": {"label": 7, "direction": "left"}}; directions balanced per digit)
+    digits-video:test      the same for the test split (eval)
+    digits-video:labels    the 40 prompts, every digit x every direction (RL: rollouts of 40k prompts balance)
+    digits-video:sft       SFT video+caption JSONL ({"video": rel_webp, "input": ...}; 9 frames, 64x64)
+    digits-video:sft-test  the same for the test split
+
 `is_builtin_dataset` is cheap and imports nothing heavy (the config validator calls it).
 """
 
@@ -14,8 +21,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {"digits": ("train", "test", "labels", "sft", "sft-test")}
-_MANIFEST = {"digits": "digits.json"}
+BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {
+    "digits": ("train", "test", "labels", "sft", "sft-test"),
+    "digits-video": ("train", "test", "labels", "sft", "sft-test"),
+}
+_MANIFEST = {"digits": "digits.json", "digits-video": "digits-video.json"}
+# name -> (module, writer): the module has FORMAT_VERSION and FILES; writer(out_dir) writes the whole set
+_WRITERS = {
+    "digits": ("miles.data.digits", "write_digits_data"),
+    "digits-video": ("miles.data.digits_video", "write_digits_video_data"),
+}
 
 
 def _parse(spec: str) -> tuple[str, str] | None:
@@ -51,21 +66,24 @@ def resolve_dataset(spec: str | os.PathLike) -> Path:
             )
         return Path(spec).expanduser()
     name, part = parsed
-    from miles.data import digits
+    import importlib
+
     from miles.utils.paths import atomic_directory, data_dir, file_lock
 
+    module_name, writer = _WRITERS[name]
+    module = importlib.import_module(module_name)
     root = data_dir() / name
-    if not _current(root / _MANIFEST[name], digits.FORMAT_VERSION):
+    if not _current(root / _MANIFEST[name], module.FORMAT_VERSION):
         with file_lock(data_dir() / f".{name}.lock"):
-            if not _current(root / _MANIFEST[name], digits.FORMAT_VERSION):
+            if not _current(root / _MANIFEST[name], module.FORMAT_VERSION):
                 if root.exists():
                     import shutil
 
                     # an incomplete copy (the manifest is written last) or one of an older format
                     shutil.rmtree(root)
                 with atomic_directory(root) as tmp:
-                    digits.write_digits_data(tmp)
-    return root / digits.FILES[part]
+                    getattr(module, writer)(tmp)
+    return root / module.FILES[part]
 
 
 def _current(manifest: Path, version: int) -> bool:

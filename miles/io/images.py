@@ -1,4 +1,4 @@
-"""Image grids labelled with prompt and reward, for people to look at (PNG)."""
+"""Image grids labelled with prompt and reward, for people to look at (PNG; videos: `miles.io.video`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ _LABEL_H = 28
 
 
 def _tile(image: torch.Tensor, size: int) -> Image.Image:
+    if image.dim() == 4:  # a video: its first frame ([3, F, H, W]; [F, 3, H, W] too)
+        image = image[:, 0] if image.shape[0] in (1, 3) else image[0]
+    if image.shape[0] == 1:
+        image = image.expand(3, -1, -1)
     arr = (image.detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
     tile = Image.fromarray(arr)
     return tile.resize((size, size), Image.NEAREST) if tile.size != (size, size) else tile
@@ -24,7 +28,19 @@ def _tile(image: torch.Tensor, size: int) -> Image.Image:
 def save_grid(
     path: str | os.PathLike, images: Sequence[torch.Tensor], labels: Sequence[str], columns: int = 8, size: int = 128
 ) -> Path:
-    """Write images `[3, H, W]` in [0, 1] as one PNG grid, each tile captioned with its label (2 lines)."""
+    """Write images `[3, H, W]` in [0, 1] as one PNG grid, each tile captioned with its label (2 lines).
+
+    Videos go to `miles.io.video.save_video_grid` (an animated grid, frame by frame, from `grid_sheet`)."""
+    sheet = grid_sheet(images, labels, columns, size)
+    with atomic_open(path, "wb") as handle:
+        sheet.save(handle, format="PNG")
+    return Path(path)
+
+
+def grid_sheet(
+    images: Sequence[torch.Tensor], labels: Sequence[str], columns: int = 8, size: int = 128
+) -> Image.Image:
+    """The grid of `save_grid` as a PIL RGB image: `columns` tiles of `size` px a row, each captioned."""
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
     columns = max(1, min(columns, len(images)))
@@ -37,9 +53,7 @@ def save_grid(
         sheet.paste(_tile(image, size), (x, y))
         for line_no, line in enumerate(_wrap(label, size // 6)[:2]):
             draw.text((x + 2, y + size + 2 + 12 * line_no), line, fill="black", font=font)
-    with atomic_open(path, "wb") as handle:
-        sheet.save(handle, format="PNG")
-    return Path(path)
+    return sheet
 
 
 def _wrap(text: str, width: int) -> list[str]:

@@ -5,10 +5,13 @@
     logger.log_images(rollout_id, images, captions)      # every rollout; it keeps --wandb-log-image-interval
     logger.close()                                       # finish wandb/TensorBoard, write curves.png
 
-Always: a summary line on stdout and a row in `<output-dir>/metrics.jsonl`; image grids in `<output-dir>/images/`.
-With `--use-tensorboard`: scalars under `--tensorboard-dir` (default `<output-dir>/tensorboard`), step = rollout_id.
+Always: a summary line on stdout and a row in `<output-dir>/metrics.jsonl`; image grids in `<output-dir>/images/`
+(videos: an animated WebP grid and one WebP per sample besides, `miles.io.video.save_samples_media`).
+With `--use-tensorboard`: scalars under `--tensorboard-dir` (default `<output-dir>/tensorboard`), step = rollout_id,
+and the image grid (an animated GIF for videos).
 With `--use-wandb`: a wandb run (mode from `--wandb-mode`, which overrides `WANDB_MODE`), metrics keyed to the
-`rollout_id` step metric, and up to `--wandb-log-num-images` samples as `rollout_media/sample_images`.
+`rollout_id` step metric, and up to `--wandb-log-num-images` samples as `rollout_media/sample_images` (videos as
+GIF `wandb.Video`s).
 torch, tensorboard, wandb and matplotlib are imported only when used.
 """
 
@@ -152,34 +155,60 @@ class MetricsLogger:
 
     def log_images(self, rollout_id: int, images: Sequence[Any], captions: Sequence[str]) -> Path | None:
         """Every `--wandb-log-image-interval` rollouts: `images/rollout_{id}.png` (all samples, captioned), and
-        the first `--wandb-log-num-images` to wandb. Images: `[3, H, W]` in [0, 1] (tensor, array or PIL);
-        videos `[F, 3, H, W]` use their first frame in the grid. Returns the grid path, or None when skipped."""
+        the first `--wandb-log-num-images` to wandb. Images: `[3, H, W]` in [0, 1] (tensor, array or PIL).
+
+        Videos (`[3, F, H, W]` in [0, 1]) show their first frame in the PNG and add `images/rollout_{id}.webp`
+        (the captioned grid, animated) and `images/rollout_{id}/NNNN.webp` (one per video sample), at
+        `--diffusion-fps` (default 8); wandb gets them as GIF `wandb.Video`s (they count towards
+        `--wandb-log-num-images`). With TensorBoard, the grid goes to `rollout_media/sample_images` (a PNG, or
+        an animated GIF for videos). Returns the PNG grid path, or None when skipped."""
         if len(images) != len(captions):
             raise ValueError(f"{len(images)} images but {len(captions)} captions")
         if not images or not self.should_log_images(rollout_id):
             return None
-        from miles.io.images import save_grid
+        from miles.io.video import DEFAULT_FPS, save_samples_media
 
-        tensors = [_to_tensor(image) for image in images]
-        frames = [t[0] if t.dim() == 4 else t for t in tensors]
-        grid = save_grid(self.output_dir / "images" / f"rollout_{rollout_id}.png", frames, list(captions))
+        fps = float(_arg(self.args, "diffusion_fps", None) or DEFAULT_FPS)
+        written = save_samples_media(self.output_dir / "images", f"rollout_{rollout_id}", images, captions, fps)
+        if self._tb is not None:
+            self._tb_grid(rollout_id, written, fps)
         num = int(_arg(self.args, "wandb_log_num_images", 0) or 0)
         if self._wandb_run is not None and num > 0:
-            media = [self._wandb_media(t, c) for t, c in zip(tensors[:num], captions[:num], strict=True)]
+            media = [self._wandb_media(i, c, fps) for i, c in zip(images[:num], captions[:num], strict=True)]
             self._wandb_run.log({IMAGE_KEY: media, "rollout_id": rollout_id})
-        return grid
+        return written["grid"]
 
-    def _wandb_media(self, tensor: Any, caption: str) -> Any:
+    def _tb_grid(self, rollout_id: int, written: dict[str, Any], fps: float) -> None:
+        """The grid as a TensorBoard image summary: the PNG, or an animated GIF (its image plugin plays it)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        from miles.io.video import encode_video
+
+        if written["grid_frames"] is not None:
+            frames = written["grid_frames"]
+            height, width, data = frames.shape[1], frames.shape[2], encode_video(frames, "gif", fps)
+        else:
+            data = Path(written["grid"]).read_bytes()
+            from PIL import Image
+
+            with Image.open(written["grid"]) as image:
+                width, height = image.size
+        image = Summary.Image(height=int(height), width=int(width), colorspace=3, encoded_image_string=data)
+        summary = Summary(value=[Summary.Value(tag=IMAGE_KEY, image=image)])
+        self._tb._get_file_writer().add_summary(summary, global_step=rollout_id)
+        self._tb.flush()
+
+    def _wandb_media(self, image: Any, caption: str, fps: float) -> Any:
+        import io
+
         import wandb
 
-        pixels = (tensor.detach().float().clamp(0, 1) * 255).round().byte().cpu().numpy()
-        if tensor.dim() == 4:
-            import importlib.util
+        from miles.io.video import encode_video, is_video
 
-            if importlib.util.find_spec("moviepy") is not None:  # wandb encodes video with moviepy
-                fps = _arg(self.args, "diffusion_fps", None) or 8
-                return wandb.Video(pixels, fps=int(fps), caption=caption, format="gif")
-            pixels = pixels[0]
+        if is_video(image):  # wandb encodes numpy video with moviepy (absent): hand it a GIF instead
+            return wandb.Video(io.BytesIO(encode_video(image, "gif", fps)), caption=caption, format="gif")
+        tensor = _to_tensor(image)
+        pixels = (tensor.detach().float().clamp(0, 1) * 255).round().byte().cpu().numpy()
         return wandb.Image(pixels.transpose(1, 2, 0), caption=caption)
 
     # ------------------------------------------------------------------ teardown

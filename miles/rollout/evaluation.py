@@ -4,7 +4,9 @@ Datasets come from `--eval-prompt-data NAME PATH` (repeatable) or `--eval-config
 `{datasets: [{name, path, n_samples_per_eval_prompt?, num_steps?}]}`). Metrics are reported as
 `eval/<name>/<metric>`: `reward_mean` (and `reward_std`) always; for prompts whose metadata holds a
 digit `label`, also `accuracy` (the digit classifier agrees with the prompt) and `fd` (Fréchet
-distance of classifier features against the real digits test split).
+distance of classifier features against the real digits test split); for video samples both are per
+frame, and prompts whose metadata also holds a `direction` add `direction_acc` (the share of videos whose
+digit travels that way; `miles.rollout.rm_hub.digit_metrics.digit_eval_metrics`).
 """
 
 from __future__ import annotations
@@ -85,16 +87,10 @@ def eval_metrics(args: Any, name: str, samples: list[Sample]) -> dict[str, float
     }
     labelled = [s for s in samples if isinstance(s.metadata.get("label"), int)]
     if labelled and len(labelled) == len(samples):
-        import torch
+        from miles.rollout.rm_hub.digit_metrics import digit_eval_metrics
 
-        from miles.rollout.rm_hub.digit_metrics import digit_accuracy, digit_fd
-
-        classifier = _classifier_for(args)
-        images = torch.stack([s.image for s in samples])
-        labels = [int(s.metadata["label"]) for s in samples]
-        out[f"eval/{name}/accuracy"] = float(digit_accuracy(images, labels, classifier))
-        if len(samples) > 10:
-            out[f"eval/{name}/fd"] = float(digit_fd(images, classifier))
+        metrics = digit_eval_metrics([s.image for s in samples], [s.metadata for s in samples], _classifier_for(args))
+        out.update({f"eval/{name}/{key}": float(value) for key, value in metrics.items()})
     return out
 
 

@@ -1,5 +1,9 @@
 """The digit reward: the checkpoint's digit classifier's probability that a generated image shows
-`metadata.label` (the classifier and its image handling: `miles.models.digit_classifier`)."""
+`metadata.label` (the classifier and its image handling: `miles.models.digit_classifier`).
+
+A video sample (`[3, F, H, W]`; in a list, any 4-D item; as one array, a 5-D batch `[N, 3, F, H, W]`) is
+read frame by frame with `videos_to_digits` (the digit around each frame's ink centroid) and its reward is
+the mean over its frames of the probability of its label. Images and videos may be mixed in one list."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from miles.models.digit_classifier import (
     images_to_digits,
     load_digit_classifier,
     read_classifier_metadata,
+    videos_to_digits,
 )
 
 __all__ = [
@@ -25,22 +30,72 @@ __all__ = [
     "images_to_digits",
     "load_digit_classifier",
     "read_classifier_metadata",
+    "sample_digits",
 ]
 
 
 # ---- rewards -----------------------------------------------------------------------------------
+def _ndim(x: Any) -> int:
+    return len(getattr(x, "shape", ()))
+
+
+def sample_digits(images: Any, value_range: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """The 8x8 digits the classifier reads of each sample, and which sample each came from:
+    (M, 8, 8) float32 and (M,) int64 owners. An image gives one digit; a video one per frame.
+
+    `images`: what `images_to_digits` reads (one image, a batch, a list), a 5-D video batch
+    `[N, 3, F, H, W]`, or a list whose 4-D items are videos `[3, F, H, W]`."""
+    if isinstance(images, (list, tuple)):
+        items = list(images)
+        if not any(_ndim(item) == 4 for item in items):
+            x8 = images_to_digits(items, value_range)
+            return x8, np.arange(len(x8), dtype=np.int64)
+    elif _ndim(images) == 5:
+        items = list(images)
+    else:
+        x8 = images_to_digits(images, value_range)
+        return x8, np.arange(len(x8), dtype=np.int64)
+    video_idx = [i for i, item in enumerate(items) if _ndim(item) == 4]
+    image_idx = [i for i, item in enumerate(items) if _ndim(item) != 4]
+    parts, owners = [], []
+    if image_idx:
+        parts.append(images_to_digits([items[i] for i in image_idx], value_range))
+        owners.append(np.asarray(image_idx, dtype=np.int64))
+    for i in video_idx:
+        frames = videos_to_digits([items[i]], value_range)
+        parts.append(frames)
+        owners.append(np.full(len(frames), i, dtype=np.int64))
+    x8, owner = np.concatenate(parts), np.concatenate(owners)
+    order = np.argsort(owner, kind="stable")
+    return x8[order], owner[order]
+
+
+def _per_sample_mean(values: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
+    totals = np.bincount(owner, weights=values, minlength=n)
+    counts = np.bincount(owner, minlength=n)
+    return totals / np.maximum(counts, 1)
+
+
 def digit_probabilities(images: Any, classifier: Any = None, value_range: str = "auto") -> np.ndarray:
-    """(N, 10) class probabilities of the images."""
-    x8 = images_to_digits(images, value_range)
-    return _classifier(classifier).predict_proba(digits_to_features(x8))
+    """(N, 10) class probabilities of the samples (a video's: the mean over its frames)."""
+    x8, owner = sample_digits(images, value_range)
+    probs = _classifier(classifier).predict_proba(digits_to_features(x8))
+    n = int(owner.max()) + 1 if len(owner) else 0
+    if len(owner) == n:
+        return probs
+    return np.stack([_per_sample_mean(probs[:, k], owner, n) for k in range(probs.shape[1])], axis=1)
 
 
 def digit_reward(
     images: Any, labels: Sequence[int] | np.ndarray, classifier: Any = None, value_range: str = "auto"
 ) -> list[float]:
-    """The classifier's probability of each image's label (one float per image)."""
-    probs = digit_probabilities(images, classifier, value_range)
+    """The classifier's probability of each sample's label (one float per sample; a video: the mean over
+    its frames)."""
+    x8, owner = sample_digits(images, value_range)
     labels = np.asarray(labels, dtype=np.int64).reshape(-1)
-    if len(labels) != len(probs):
-        raise ValueError(f"{len(probs)} images but {len(labels)} labels")
-    return [float(p) for p in probs[np.arange(len(probs)), labels]]
+    n = int(owner.max()) + 1 if len(owner) else 0
+    if len(labels) != n:
+        raise ValueError(f"{n} images but {len(labels)} labels")
+    probs = _classifier(classifier).predict_proba(digits_to_features(x8))
+    per_digit = probs[np.arange(len(probs)), labels[owner]]
+    return [float(p) for p in _per_sample_mean(per_digit, owner, n)]

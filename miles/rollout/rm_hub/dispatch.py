@@ -87,6 +87,8 @@ class RewardSettings:
             return None if value is None else str(value)
 
         frames = _arg(args, "pickscore_num_frames")
+        if frames is not None and int(frames) < 1:  # the CLI refuses it at parse time; args built in code too
+            raise ConfigError(f"--pickscore-num-frames must be at least 1 (unset scores every frame), got {frames}")
         return cls(
             hf_checkpoint=text("hf_checkpoint"),
             pickscore_model_path=text("pickscore_model_path"),
@@ -127,7 +129,16 @@ def _pickscore_scorer(settings: RewardSettings) -> Scorer:
         settings.pickscore_batch_size,
         settings.pickscore_num_frames,
     )
-    return lambda images, prompts, metadata: scorer.score(images, prompts)
+    return lambda images, prompts, metadata: scorer.score([_frames_first(im) for im in images], prompts)
+
+
+def _frames_first(image: Any) -> Any:
+    """A video sample `[3, F, H, W]` -> `[F, 3, H, W]`, the layout the PickScore scorer reads frames from (it
+    scores `--pickscore-num-frames` evenly spaced frames and averages them); images pass through."""
+    shape = getattr(image, "shape", ())
+    if len(shape) != 4:
+        return image
+    return image.permute(1, 0, 2, 3) if hasattr(image, "permute") else image.transpose(1, 0, 2, 3)
 
 
 def _digit_label(meta: Mapping[str, Any]) -> int:
@@ -140,6 +151,8 @@ def _digit_label(meta: Mapping[str, Any]) -> int:
 
 
 def _digit_scorer(settings: RewardSettings) -> Scorer:
+    """The digit reward (`rm_hub.digit.digit_reward`): an image's probability of its label; a video's, the mean
+    over its frames (`[3, F, H, W]` samples are read per frame)."""
     from miles.models.checkpoints import ensure_checkpoint
     from miles.rollout.rm_hub.digit import digit_reward, load_digit_classifier
 
