@@ -125,7 +125,7 @@ def _resolve_from_cli(ctx: typer.Context, job: str | None, kwargs: dict[str, Any
     )
 
 
-def _run_job(job: str, ctx: typer.Context, kwargs: dict[str, Any], replay_path: str | None = None) -> None:
+def _run_job(job: str, ctx: typer.Context, kwargs: dict[str, Any], replay_path: str | None = None) -> int | None:
     from miles_cli.render import print_trainer_tables, print_warnings
 
     resolved = _resolve_from_cli(ctx, job, kwargs, replay_path)
@@ -133,12 +133,12 @@ def _run_job(job: str, ctx: typer.Context, kwargs: dict[str, Any], replay_path: 
     print_trainer_tables(resolved, show_all=kwargs.get("show_all", False))
     from miles.runtime import dispatch
 
-    dispatch(resolved)
+    return dispatch(resolved)  # the driver's exit code (e.g. 1 when the --ci-test metric check fails)
 
 
 def _job_command(job: str):
-    def body(ctx: typer.Context, **kwargs: Any) -> None:
-        _run_job(job, ctx, kwargs)
+    def body(ctx: typer.Context, **kwargs: Any) -> int | None:
+        return _run_job(job, ctx, kwargs)
 
     from miles.config.jobs import JOBS
 

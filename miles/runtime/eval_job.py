@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.io.images import save_grid
 from miles.io.loggers import MetricsLogger
+from miles.runtime.ci_check import ci_check
 from miles.runtime.session import ray_job
 
 if TYPE_CHECKING:
@@ -39,4 +40,4 @@ def run(resolved: ResolvedJob) -> int:
     save_eval_grids(args, out, by_name)
     for key, value in sorted(metrics.items()):
         print(f"{key} = {value:.4f}")
-    return 0
+    return ci_check(args, out)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.config.errors import ConfigError
 from miles.io.loggers import MetricsLogger
+from miles.runtime.ci_check import ci_check
 from miles.runtime.output import export_final
 from miles.runtime.phases import Phases
 from miles.runtime.progress import progress_bar
@@ -112,7 +113,7 @@ def run(resolved: ResolvedJob) -> int:
             export_final(args, actor, "student")
         logger.close()
     print(f"miles: train dmd2 finished {num_rollout - start} iterations; metrics in {out / 'metrics.jsonl'}")
-    return 0
+    return ci_check(args, out)
 
 
 def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int, phases: Any = None) -> dict[str, float]:

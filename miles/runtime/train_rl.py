@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.io.loggers import MetricsLogger
+from miles.runtime.ci_check import ci_check
 from miles.runtime.output import export_final
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
@@ -64,7 +65,7 @@ def run(resolved: ResolvedJob) -> int:
             export_final(args, group)
         logger.close()
     print(f"miles: train rl finished {num_rollout - start} rollouts; metrics in {out / 'metrics.jsonl'}")
-    return 0
+    return ci_check(args, out)
 
 
 def has_eval_data(args: Any) -> bool:

@@ -3,21 +3,33 @@
 Each iteration (`--num-rollout` of them) draws `global_batch_size` rows (shuffled per epoch with
 `--seed`) and makes one optimizer step per `num_steps_per_rollout`. At the end the trained pipeline
 is exported to `<output-dir>/checkpoint`, loadable with `from_pretrained`.
+
+Checkpoints and resume work as in `train rl` (`miles.training.checkpoint`): `--save`/`--save-interval`
+write the trainer state plus the data order (the row sampler's epoch and offset, and the caption-dropout
+generator, restored unless --no-load-rng) under `extra.json`'s `sft`; `--load` resumes at the next
+iteration, so 2 iterations + resume to 4 trains the same weights as 4 straight. `--eval-interval N`
+evaluates every N iterations (before iteration 0 unless --skip-eval-before-train, and at the end) with
+the rollout manager's `evaluate`, the one `train rl` and `miles eval` use, on one in-process diffusers
+engine made at the first eval (this job reserves no engine GPUs) and given the trained weights first.
 """
 
 from __future__ import annotations
 
+import base64
+import copy
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from miles.config.errors import ConfigError
 from miles.io.loggers import MetricsLogger
+from miles.runtime.ci_check import ci_check
 from miles.runtime.output import export_final
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
-from miles.runtime.train_rl import train_metrics
+from miles.runtime.train_rl import eval_due, has_eval_data, save_due, train_metrics
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -44,6 +56,17 @@ class RowSampler:
             self.offset += take
         return rows
 
+    def state_dict(self) -> dict[str, int]:
+        return {"size": self.size, "seed": self.seed, "epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["size"]) != self.size:
+            raise ConfigError(
+                f"--load: the checkpoint was trained on {state['size']} SFT rows, --prompt-data has {self.size}"
+            )
+        self.seed, self.epoch, self.offset = int(state["seed"]), int(state["epoch"]), int(state["offset"])
+        self.order = self._order()
+
 
 def run(resolved: ResolvedJob) -> int:
     from miles.runtime.trainer_group import TrainerGroup
@@ -61,16 +84,84 @@ def run(resolved: ResolvedJob) -> int:
         job.record_placement([group])
         sampler = RowSampler(len(data), args.seed)
         generator = torch.Generator().manual_seed(args.seed)
+        first = resume(args, group, sampler, generator)
+        evaluator = SftEval(args, job.out, group)
         logger = MetricsLogger(args, job.out, resolved.spec.name, echo=lambda line: None)
         every = max(1, num_iters // 20)
-        with progress_bar("train sft", num_iters) as advance:
-            for it in range(num_iters):
+        with progress_bar("train sft", max(0, num_iters - first)) as advance:
+            for it in range(first, num_iters):
                 metrics: dict[str, float] = {}
+                if eval_due(args, it, first):
+                    metrics.update(evaluator(it))
                 for _ in range(steps_per_iter):
                     x0, samples = data.batch(sampler.take(gbs), generator)
-                    metrics = train_metrics(group.train_sft(x0, samples))
+                    metrics.update(train_metrics(group.train_sft(x0, samples)))
+                evaluator.trained = True
                 line = logger.log(it, metrics)
-                advance(line if it % every == 0 or it == num_iters - 1 else "")
+                advance(line if it % every == 0 or it == num_iters - 1 or "eval/" in line else "")
+                if save_due(args, it, num_iters):
+                    save(args, group, it, sampler, generator)
+        if has_eval_data(args) and args.eval_interval and first < num_iters:
+            logger.log(num_iters, evaluator(num_iters))
         logger.close()
         export_final(args, group)
-    return 0
+    print(f"miles: train sft finished {max(0, num_iters - first)} iterations; metrics in {job.out / 'metrics.jsonl'}")
+    return ci_check(args, job.out)
+
+
+def _generator_state(generator: torch.Generator) -> str:
+    return base64.b64encode(generator.get_state().numpy().tobytes()).decode("ascii")
+
+
+def _set_generator_state(generator: torch.Generator, text: str) -> None:
+    raw = bytearray(base64.b64decode(text))
+    generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+
+
+def save(args: Any, group: Any, it: int, sampler: RowSampler, generator: torch.Generator) -> None:
+    """The trainer state (`Trainer.save_checkpoint`) with the data order in `extra.json`."""
+    sft = {"sampler": sampler.state_dict(), "generator": _generator_state(generator)}
+    group.call("save_checkpoint", args.save, it, {"rollout_id": it, "sft": sft})
+
+
+def resume(args: Any, group: Any, sampler: RowSampler, generator: torch.Generator) -> int:
+    """Restore `--load` (trainer state, row order, caption-dropout generator unless --no-load-rng); the first
+    iteration to run (`--start-rollout-id` wins, as in `train rl`)."""
+    first = 0
+    if args.load:
+        extra = group.call("load_checkpoint", args.load, args.ckpt_step)[0]
+        first = int(extra["rollout_id"]) + 1
+        sft = extra.get("sft") or {}
+        if sft.get("sampler"):
+            sampler.load_state_dict(sft["sampler"])
+        if sft.get("generator") and not args.no_load_rng:
+            _set_generator_state(generator, sft["generator"])
+    if args.start_rollout_id is not None:
+        first = int(args.start_rollout_id)
+    return first
+
+
+class SftEval:
+    """`--eval-interval`: the eval datasets through `RolloutManager.evaluate` on one in-process engine (made on
+    first use), which gets the trainer's weights whenever they changed since its last eval."""
+
+    def __init__(self, args: Any, out: Any, group: Any) -> None:
+        self.args, self.out, self.group = args, out, group
+        self.manager: Any = None
+        self.trained = bool(args.load)  # the engine loads --hf-checkpoint: a resumed trainer differs from it
+
+    def __call__(self, it: int) -> dict[str, float]:
+        from miles.rollout.manager import RolloutManager
+        from miles.runtime.eval_job import save_eval_grids
+
+        if self.manager is None:
+            eval_args = copy.copy(self.args)
+            eval_args.rollout_backend = "diffusers"  # never an sglang server here ("auto" on a GPU machine)
+            self.manager = RolloutManager(eval_args)
+        if self.trained:
+            self.manager.update_weights(self.group.weights_for_sync(), it)
+            self.trained = False
+        start = time.perf_counter()
+        metrics, by_name = self.manager.evaluate()
+        save_eval_grids(self.args, self.out, by_name, tag=f"_{it}")
+        return {**metrics, "perf/eval_time": time.perf_counter() - start}

@@ -302,3 +302,43 @@ def test_nft_kl_needs_the_lora_base() -> None:
     nft = {"loss_type": "nft", "use_ema": True, "diffusion_kl_beta": 0.01}
     assert_names(rejected(**nft), "--diffusion-kl-beta 0.01", "LoRA base", "--use-lora")
     assert run(**nft, use_lora=True).args.diffusion_kl_beta == 0.01
+
+
+# ---- the CI metric check -------------------------------------------------------------------------------------
+
+CI = {"ci_test": True, "ci_metric_checker_key": "eval/digits/accuracy", "ci_metric_checker_threshold": 0.5}
+
+
+@pytest.mark.parametrize("job", ["rl", "sft", "eval"])
+def test_ci_test_takes_a_key_and_a_threshold(job: str) -> None:
+    args = run(job, **CI).args
+    assert (args.ci_test, args.ci_metric_checker_key, args.ci_metric_checker_threshold) == (
+        True,
+        "eval/digits/accuracy",
+        0.5,
+    )
+    assert_names(
+        rejected(job, ci_test=True),
+        "--ci-test on (cli)",
+        "requires --ci-metric-checker-key and --ci-metric-checker-threshold",
+    )
+    message = rejected(job, ci_test=True, ci_metric_checker_key="train/loss")
+    assert_names(message, "--ci-test on (cli)", "requires --ci-metric-checker-threshold")
+    assert "--ci-metric-checker-key and" not in message
+
+
+def test_ci_checker_flags_need_ci_test() -> None:
+    assert_names(rejected(ci_metric_checker_key="train/loss"), "--ci-metric-checker-key train/loss (cli)", "--ci-test")
+    message = rejected(ci_metric_checker_key="train/loss", ci_metric_checker_threshold=1.0)
+    assert_names(message, "--ci-metric-checker-key train/loss", "--ci-metric-checker-threshold 1.0", "--ci-test")
+
+
+def test_ci_test_is_refused_where_no_check_runs() -> None:
+    assert_names(rejected("rollout-only", **CI), "--ci-test on (cli)", "`miles rollout-only` runs no CI metric check")
+
+
+def test_sft_eval_runs_on_the_diffusers_backend() -> None:
+    sft_eval = {**EVAL_DATA, "eval_interval": 2}
+    assert run("sft", **sft_eval).args.eval_interval == 2
+    message = rejected("sft", **sft_eval, rollout_backend="sglang")
+    assert_names(message, "--rollout-backend sglang (cli)", "in-process diffusers engine")

@@ -9,7 +9,12 @@ GROUP = "CI"
 _f = flag_maker(GROUP)
 
 FLAGS: list[Flag] = [
-    _f("ci-test", BOOL, False, "Enable CI checks (tests/e2e only)."),
+    _f("ci-test", BOOL, False, "Enable the CI metric check at the end of the job (tests/e2e only)."),
     _f("ci-metric-checker-key", STR, None, "Metric the CI checker compares against its threshold."),
-    _f("ci-metric-checker-threshold", FLOAT, None, "Threshold the CI-checked metric must reach."),
+    _f(
+        "ci-metric-checker-threshold",
+        FLOAT,
+        None,
+        "Threshold the CI-checked metric must reach: exit 1 unless its last logged value is >= this.",
+    ),
 ]

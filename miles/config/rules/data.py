@@ -78,6 +78,11 @@ def check_eval(res: Resolution, job: JobSpec) -> None:
         res.fail(f"{res.show('eval_interval')} requires eval datasets: --eval-prompt-data NAME PATH or --eval-config")
     if job.needs_eval_data and not has_eval_data:
         res.fail(f"`miles {job.command}` needs eval datasets: --eval-prompt-data NAME PATH or --eval-config")
+    if job.name == "sft" and res["eval_interval"] is not None and res["rollout_backend"] == "sglang":
+        res.fail(
+            f"{res.show('rollout_backend')}: `miles train sft` evaluates (--eval-interval) on one in-process "
+            "diffusers engine; use --rollout-backend diffusers"
+        )
 
 
 def check_debug_modes(res: Resolution, job: JobSpec) -> None:

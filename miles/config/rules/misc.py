@@ -35,4 +35,26 @@ def check_env_vars(res: Resolution, job: JobSpec) -> None:
             res.fail(f"--train-env-vars: the value of {key!r} must be a string or number, got {value!r}")
 
 
-RULES = (check_precision, check_lora, check_env_vars)
+CI_JOBS = ("rl", "sft", "dmd2", "eval")  # the jobs that run `miles.runtime.ci_check` at their end
+
+
+def check_ci(res: Resolution, job: JobSpec) -> None:
+    """--ci-test, --ci-metric-checker-key and --ci-metric-checker-threshold go together."""
+    key, threshold = res["ci_metric_checker_key"], res["ci_metric_checker_threshold"]
+    if not res["ci_test"]:
+        stray = [dest for dest in ("ci_metric_checker_key", "ci_metric_checker_threshold") if res[dest] is not None]
+        if stray:
+            res.fail(f"{', '.join(res.show(d) for d in stray)} requires --ci-test (the CI metric check)")
+        return
+    missing = [
+        flag
+        for flag, value in (("--ci-metric-checker-key", key), ("--ci-metric-checker-threshold", threshold))
+        if value is None
+    ]
+    if missing:
+        res.fail(f"{res.show('ci_test')} checks one metric: it requires {' and '.join(missing)}")
+    if job.name not in CI_JOBS:
+        res.fail(f"{res.show('ci_test')}: `miles {job.command}` runs no CI metric check (jobs: {', '.join(CI_JOBS)})")
+
+
+RULES = (check_precision, check_lora, check_env_vars, check_ci)

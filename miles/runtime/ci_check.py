@@ -1,0 +1,63 @@
+"""`--ci-test`: the CI metric check at the end of a job (used by tests/e2e, not meant for manual runs).
+
+With `--ci-test --ci-metric-checker-key KEY --ci-metric-checker-threshold X` the job's exit code says
+whether the last value of KEY logged to `<output-dir>/metrics.jsonl` reached the threshold: it passes when
+`value >= X` (a metric that must stay low, e.g. a loss, is checked through a metric that grows, or by a
+test reading metrics.jsonl itself). A value below X, a non-finite value, or a key that was never logged
+prints one line and exits 1. The config rules make the three flags go together.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+FAILED = 1
+
+
+def last_value(rows: list[dict[str, Any]], key: str) -> tuple[int, Any] | None:
+    """(rollout_id, value) of the last row that logged `key`, or None."""
+    for row in reversed(rows):
+        if key in row:
+            return int(row.get("rollout_id", -1)), row[key]
+    return None
+
+
+def check_metric(rows: list[dict[str, Any]], key: str, threshold: float) -> str | None:
+    """None when the last logged `key` is >= `threshold`, else the one-line reason it is not."""
+    found = last_value(rows, key)
+    if found is None:
+        logged = sorted({k for row in rows for k in row} - {"rollout_id"})
+        hint = f" (logged keys: {', '.join(logged)})" if logged else " (nothing was logged)"
+        return f"--ci-metric-checker-key {key} was never logged{hint}"
+    rollout_id, raw = found
+    try:
+        value = float(raw)  # non-finite values are logged as strings ("nan", "inf")
+    except (TypeError, ValueError):
+        return f"--ci-metric-checker-key {key}: the last logged value {raw!r} (rollout {rollout_id}) is not a number"
+    if not math.isfinite(value) or value < threshold:
+        return (
+            f"{key} = {value:.6g} (last logged, rollout {rollout_id}) is below "
+            f"--ci-metric-checker-threshold {threshold:g}"
+        )
+    return None
+
+
+def ci_check(args: Any, out: str | Path) -> int:
+    """The job's exit code: 0 without --ci-test or when the check holds, else 1 (with one line on stderr)."""
+    if not getattr(args, "ci_test", False):
+        return 0
+    from miles.io.metrics import read_metrics
+
+    key, threshold = args.ci_metric_checker_key, float(args.ci_metric_checker_threshold)
+    path = Path(out) / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    failure = check_metric(rows, key, threshold)
+    if failure is not None:
+        print(f"miles: CI check failed: {failure}", file=sys.stderr, flush=True)
+        return FAILED
+    value = last_value(rows, key)[1]  # type: ignore[index]
+    print(f"miles: CI check passed: {key} = {float(value):.6g} >= {threshold:g}", flush=True)
+    return 0
