@@ -11,6 +11,7 @@ Shapes (one sample; T = number of denoising steps, latents are C x h x w):
     Trajectory.sde_step_indices             the steps that ran stochastically (their transitions are trained)
     Trajectory.log_probs    [len(sde_step_indices)]  log-prob of each recorded SDE transition
                                             x_i -> x_{i+1}, averaged over latent elements
+    Trajectory.debug_model_outputs [T, C, h, w]  the engine's guided velocity per step (debug mode only)
     Conditions.*            the prompt's encoder outputs (positive; negative when CFG is on)
     Sample.image            [3, H, W] float in [0, 1], the decoded image the reward saw; a video sample's
                             is [3, F, H, W] (latents are then C x f x h x w)
@@ -35,6 +36,9 @@ class Trajectory:
     log_probs: torch.Tensor | None = None
     sde_type: str = "sde"
     noise_level: float = 0.0
+    # --diffusion-debug-mode: the engine's guided model output at every step [T, *latent], what the trainer's
+    # forward is compared with (train/model_output_*_abs_diff)
+    debug_model_outputs: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:

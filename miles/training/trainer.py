@@ -156,7 +156,7 @@ class Trainer:
                 first_diff = metrics.get("log_prob_mean_abs_diff")
             for k, v in metrics.items():
                 totals.setdefault(k, []).append(v)
-        out = {k: sum(v) / len(v) for k, v in totals.items()}
+        out = {k: max(v) if _is_max(k) else sum(v) / len(v) for k, v in totals.items()}
         if first_diff is not None:
             # the engine-trainer difference alone: measured before this rollout's first update, whereas
             # log_prob_mean_abs_diff averages all optimizer steps and so includes the policy's own drift
@@ -181,7 +181,7 @@ class Trainer:
                 scaled = loss * weight
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v * weight
+                sums[k] = max(sums.get(k, 0.0), v) if _is_max(k) else sums.get(k, 0.0) + v * weight
         if not skip:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
@@ -224,10 +224,11 @@ class Trainer:
         if kl_beta > 0:
             with torch.no_grad(), self.reference():
                 mean_ref = step_of(self.velocity(x, ts, samples, cfg)).mean
-        res = step_of(self.velocity(x, ts, samples, cfg))
+        v = self.velocity(x, ts, samples, cfg)
+        res = step_of(v)
         if self.args.diffusion_recompute_old_log_prob:
             old = res.log_prob.detach()
-        return policy_loss(
+        loss, metrics = policy_loss(
             res.log_prob,
             old,
             adv,
@@ -238,6 +239,8 @@ class Trainer:
             mean_ref=mean_ref,
             std_dev_t=res.std_dev_t,
         )
+        metrics.update(model_output_diffs(v, batch))
+        return loss, metrics
 
     def _expand_nft(self, samples: list[Sample]) -> list[Pair]:
         pairs = []
@@ -463,10 +466,32 @@ class Trainer:
         return self._offloader.onload().as_metrics()
 
 
+def model_output_diffs(v: torch.Tensor, batch: Sequence[Pair]) -> dict[str, float]:
+    """`model_output_mean_abs_diff` / `_max_abs_diff`: the trainer's model output against the one the engine
+    recorded at the same step (--diffusion-debug-mode); nothing when a sample has no debug tensors."""
+    recorded = [p.sample.trajectory.debug_model_outputs for p in batch]  # type: ignore[union-attr]
+    if not batch or any(r is None for r in recorded):
+        return {}
+    engine = torch.stack([r[p.step] for r, p in zip(recorded, batch, strict=True)]).float()  # type: ignore[index]
+    diff = (v.detach().float().cpu() - engine).abs()
+    return {"model_output_mean_abs_diff": float(diff.mean()), "model_output_max_abs_diff": float(diff.max())}
+
+
+def _is_max(key: str) -> bool:
+    """Metrics aggregated by their maximum (over micro-batches, steps and ranks), not their mean."""
+    return key.endswith("_max_abs_diff")
+
+
 def _all_reduce_mean(metrics: dict[str, float], world: int) -> dict[str, float]:
     if world == 1 or not dist.is_initialized():
         return metrics
-    keys = sorted(metrics)
+    keys = sorted(k for k in metrics if not _is_max(k))
+    maxed = sorted(k for k in metrics if _is_max(k))
     values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(values)
-    return {k: float(v) / world for k, v in zip(keys, values.tolist(), strict=True)}
+    out = {k: float(v) / world for k, v in zip(keys, values.tolist(), strict=True)}
+    if maxed:
+        peaks = torch.tensor([metrics[k] for k in maxed], dtype=torch.float64)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        out.update(zip(maxed, peaks.tolist(), strict=True))
+    return out

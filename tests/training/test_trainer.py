@@ -27,6 +27,32 @@ def test_recompute_reproduces_the_engine_log_probs(tiny_sd3_dir: Path, rollout) 
     assert all(torch.equal(before[k], after[k]) for k in before)  # no step taken
 
 
+def test_debug_mode_compares_the_model_outputs_with_the_engines(tiny_sd3_dir: Path, rollout) -> None:
+    """--diffusion-debug-mode: the engine records its guided model output per step, the trainer reports how far
+    its own forward is from it (0.0 with frozen weights), and a perturbed record shows up in both metrics."""
+    import copy
+
+    manager, _ = rollout
+    manager.args.diffusion_debug_mode = True
+    try:
+        batch = manager.generate(1)
+    finally:
+        manager.args.diffusion_debug_mode = False
+    traj = batch.samples[0].trajectory
+    assert traj.debug_model_outputs is not None and traj.debug_model_outputs.shape == traj.latents[1:].shape
+    trainer = Trainer(trainer_args(tiny_sd3_dir, debug_skip_optimizer_step=True), master_port=free_port())
+    metrics = trainer.train(1, batch.samples)
+    assert metrics["model_output_mean_abs_diff"] == 0.0 and metrics["model_output_max_abs_diff"] == 0.0
+    moved = copy.deepcopy(batch.samples)
+    step = moved[3].trajectory.sde_step_indices[0]
+    moved[3].trajectory.debug_model_outputs[step, 0, 0, 0] += 0.5
+    metrics = trainer.train(1, moved)
+    assert metrics["model_output_max_abs_diff"] == pytest.approx(0.5, abs=1e-6)  # the max over all micro-batches
+    assert 0.0 < metrics["model_output_mean_abs_diff"] < 0.5
+    # without debug tensors nothing is reported
+    assert "model_output_mean_abs_diff" not in trainer.train(0, rollout[1].samples)
+
+
 def test_a_train_step_moves_weights_and_sync_makes_the_engine_equal(tiny_sd3_dir: Path, rollout) -> None:
     manager, batch = rollout
     trainer = Trainer(trainer_args(tiny_sd3_dir, lr=1e-3), master_port=free_port())

@@ -217,6 +217,8 @@ class DiffusersEngine:
         x = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
         record = not req.evaluation
         latents = [x] if record else []
+        debug = record and bool(getattr(self.args, "diffusion_debug_mode", False))
+        outputs: list[torch.Tensor] = []
         sde_sets = [set(steps) for r in reqs for steps in r.sde_steps]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(m)]
         sigma_max = sigmas[1] if sigmas.shape[0] > 1 else sigmas[0]
@@ -225,6 +227,8 @@ class DiffusersEngine:
             t = timesteps[i].expand(m).to(self.device)
             model_in = x.to(self.device, self.dtype)
             v = family.guided_velocity(self.transformer, model_in, t, cond_batch, neg_batch, cfg_scale, scale_2).cpu()
+            if debug:
+                outputs.append(v.float())
             rows = [b for b in range(m) if i in sde_sets[b]] if req.noise_level > 0 and req.sde_type != "ode" else []
             if len(rows) < m:
                 ode = sde_step(v, x, sigmas[i], sigmas[i + 1], sde_type="ode", noise_level=0.0)
@@ -260,6 +264,7 @@ class DiffusersEngine:
         elapsed = time.perf_counter() - start
         samples: list[Sample] = []
         stacked = torch.stack(latents, dim=1) if record else None
+        debug_outputs = torch.stack(outputs, dim=1) if outputs else None
         stored_cfg = cfg_scale if do_cfg else 1.0
         pos_rows = {k: v[0].detach().float().cpu() for k, v in pos.items()}
         neg_rows = {k: v[0].detach().float().cpu() for k, v in neg.items()} if neg is not None else None
@@ -275,6 +280,7 @@ class DiffusersEngine:
                     log_probs=torch.stack(log_probs[b]) if log_probs[b] else torch.zeros(0),
                     sde_type=req.sde_type,
                     noise_level=req.noise_level,
+                    debug_model_outputs=None if debug_outputs is None else debug_outputs[b],
                 )
             samples.append(
                 owner.sample(
