@@ -37,6 +37,12 @@ def run(resolved: ResolvedJob) -> int:
     from miles.runtime.trainer_group import TrainerGroup
 
     args = resolved.trainer_args["actor"]
+    if args.debug_rollout_only:  # rollouts only: the rollout-only job (every rollout saved)
+        from miles.runtime import rollout_only
+
+        return rollout_only.run(resolved)
+    if args.load_debug_rollout_data is not None:  # train on saved rollouts: no engines, sync or eval
+        return run_from_files(resolved, args)
     with ray_job(resolved, args) as job:
         out, manager = job.out, job.manager
         num_rollout = args.num_rollout or ray.get(manager.num_rollout.remote())
@@ -54,6 +60,7 @@ def run(resolved: ResolvedJob) -> int:
                     metrics.update(run_eval(args, manager, out, rollout_id))
                 step_metrics, batch = run_iteration(args, manager, group, rollout_id, phases)
                 metrics.update(step_metrics)
+                save_debug_data(args, rollout_id, batch.samples, step_metrics)
                 advance(logger.log(rollout_id, metrics))
                 logger.log_images(rollout_id, *_images(args, batch.samples))
                 if save_due(args, rollout_id, num_rollout):
@@ -66,6 +73,55 @@ def run(resolved: ResolvedJob) -> int:
         logger.close()
     print(f"miles: train rl finished {num_rollout - start} rollouts; metrics in {out / 'metrics.jsonl'}")
     return ci_check(args, out)
+
+
+def run_from_files(resolved: ResolvedJob, args: Any) -> int:
+    """`--load-debug-rollout-data TEMPLATE` (with or without --train-only): each rollout id trains on the
+    rollout saved at the template filled with it (`miles replay` for a whole run); no engine starts."""
+    from miles.io.rollout_file import format_rollout_path, load_rollout, subsample_rollout
+    from miles.runtime.trainer_group import TrainerGroup
+
+    template = args.load_debug_rollout_data
+    num_rollout = int(args.num_rollout or 1)
+    with ray_job(resolved, args, manager_class=None) as job:
+        out = job.out
+        total_steps = max(1, num_rollout * int(args.num_steps_per_rollout or 1))
+        group = TrainerGroup(args, "actor", total_steps, job.placement)
+        job.record_placement([group])
+        start = resume(args, None, group)
+        logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
+        with progress_bar("train rl (saved rollouts)", num_rollout - start) as advance:
+            for rollout_id in range(start, num_rollout):
+                _, samples, _ = load_rollout(format_rollout_path(template, rollout_id))
+                if args.load_debug_rollout_data_subsample:
+                    samples = subsample_rollout(
+                        samples, args.load_debug_rollout_data_subsample, group_size=args.n_samples_per_prompt
+                    )
+                t0 = time.perf_counter()
+                metrics = train_metrics(group.train(rollout_id, samples))
+                metrics["perf/step_time"] = time.perf_counter() - t0
+                save_debug_data(args, rollout_id, samples, metrics)
+                advance(logger.log(rollout_id, metrics))
+                if save_due(args, rollout_id, num_rollout):
+                    save(args, None, group, rollout_id)
+        export_final(args, group)
+        logger.close()
+    print(f"miles: train rl trained on {num_rollout - start} saved rollouts; metrics in {out / 'metrics.jsonl'}")
+    return ci_check(args, out)
+
+
+def save_debug_data(args: Any, rollout_id: int, samples: list[Any], metrics: dict[str, float]) -> None:
+    """`--save-debug-rollout-data` (the rollout as generated and scored, a file `miles replay` reads) and
+    `--save-debug-train-data` (what the trainer trained on, with the step's train metrics), per rollout id."""
+    from miles.io.rollout_file import format_rollout_path, save_rollout
+
+    if args.save_debug_rollout_data:
+        save_rollout(format_rollout_path(args.save_debug_rollout_data, rollout_id), rollout_id, samples)
+    if args.save_debug_train_data:
+        train = {k: float(v) for k, v in metrics.items() if k.startswith("train/")}
+        save_rollout(
+            format_rollout_path(args.save_debug_train_data, rollout_id), rollout_id, samples, {"metrics": train}
+        )
 
 
 def has_eval_data(args: Any) -> bool:
@@ -100,7 +156,8 @@ def save_due(args: Any, rollout_id: int, num_rollout: int) -> bool:
 def save(args: Any, manager: Any, group: Any, rollout_id: int) -> None:
     import ray
 
-    extra = {"rollout_id": rollout_id, "data_source": ray.get(manager.data_source_state.remote())}
+    state = ray.get(manager.data_source_state.remote()) if manager is not None else None
+    extra = {"rollout_id": rollout_id, "data_source": state}
     group.call("save_checkpoint", args.save, rollout_id, extra)
 
 
@@ -112,9 +169,10 @@ def resume(args: Any, manager: Any, group: Any) -> int:
     if args.load:
         extra = group.call("load_checkpoint", args.load, args.ckpt_step)[0]
         start = int(extra["rollout_id"]) + 1
-        if extra.get("data_source"):
-            ray.get(manager.load_data_source_state.remote(extra["data_source"]))
-        sync_weights(manager, group, start)
+        if manager is not None:  # no engines (training on saved rollouts): nothing to restore or sync
+            if extra.get("data_source"):
+                ray.get(manager.load_data_source_state.remote(extra["data_source"]))
+            sync_weights(manager, group, start)
     if args.start_rollout_id is not None:
         start = int(args.start_rollout_id)
     return start

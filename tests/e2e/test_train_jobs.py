@@ -39,12 +39,41 @@ def _rl(tiny_sd3_dir: Path, out: Path, *extra: str) -> list[dict]:
 
 
 def test_train_rl_frozen_weights_recompute_matches_the_rollout(tiny_sd3_dir: Path, tmp_path: Path) -> None:
-    rows = _rl(tiny_sd3_dir, tmp_path / "frozen", "--num-rollout", "2", "--debug-skip-optimizer-step")
+    """The alignment probe (--debug-skip-optimizer-step --diffusion-debug-mode) with --dump-details; then the
+    dumped rollouts trained on with no engine (--train-only --load-debug-rollout-data), and --debug-rollout-only."""
+    dump = tmp_path / "dump"
+    probe = ("--debug-skip-optimizer-step", "--diffusion-debug-mode")
+    rows = _rl(tiny_sd3_dir, tmp_path / "frozen", "--num-rollout", "2", *probe, "--dump-details", str(dump))
     assert [r["rollout_id"] for r in rows] == [0, 1]
     for row in rows:
         assert row["train/log_prob_mean_abs_diff"] <= 1e-5
+        assert row["train/model_output_mean_abs_diff"] == 0.0 and row["train/model_output_max_abs_diff"] == 0.0
         assert "perf/rollout_time" in row and "perf/train_time" in row
     assert (tmp_path / "frozen" / "curves.png").is_file()
+    from miles.io.rollout_file import load_rollout
+
+    for rid in (0, 1):
+        _, samples, _ = load_rollout(dump / "rollout_data" / f"{rid}.pt")
+        assert len(samples) == 8 and samples[0].trajectory.debug_model_outputs is not None
+        _, _, extra = load_rollout(dump / "train_data" / f"{rid}.pt")
+        assert extra["metrics"]["train/model_output_mean_abs_diff"] == 0.0
+    replayed = _rl(
+        tiny_sd3_dir,
+        tmp_path / "train-only",
+        "--num-rollout",
+        "2",
+        *probe,
+        "--train-only",
+        "--load-debug-rollout-data",
+        str(dump / "rollout_data" / "{rollout_id}.pt"),
+    )
+    assert [r["rollout_id"] for r in replayed] == [0, 1]
+    for row, original in zip(replayed, rows, strict=True):
+        assert row["train/log_prob_mean_abs_diff"] == pytest.approx(original["train/log_prob_mean_abs_diff"], abs=1e-9)
+        assert row["train/model_output_mean_abs_diff"] == 0.0 and "rollout/reward/raw_mean" not in row
+    only = _rl(tiny_sd3_dir, tmp_path / "rollout-only", "--num-rollout", "1", "--debug-rollout-only")
+    assert (tmp_path / "rollout-only" / "rollout_0.pt").is_file()
+    assert "rollout/reward/raw_mean" in only[0] and not any(k.startswith("train/") for k in only[0])
 
 
 def test_resume_reproduces_an_uninterrupted_run(tiny_sd3_dir: Path, tmp_path: Path) -> None:

@@ -95,6 +95,40 @@ def check_debug_modes(res: Resolution, job: JobSpec) -> None:
         )
     if res["load_debug_rollout_data_subsample"] is not None and res["load_debug_rollout_data"] is None:
         res.fail(f"{res.show('load_debug_rollout_data_subsample')} requires --load-debug-rollout-data")
+    _check_debug_dumps(res, job)
+
+
+# the debug dumps each job writes: rollouts (as generated and scored), train data (what the trainer took)
+_ROLLOUT_DUMPS = ("rl", "rollout-only")
+_TRAIN_DUMPS = ("rl",)
+
+
+def _check_debug_dumps(res: Resolution, job: JobSpec) -> None:
+    """`--dump-details DIR` fills the dump paths this job writes (`DIR/rollout_data/{rollout_id}.pt`,
+    `DIR/train_data/{rollout_id}.pt`) unless set; a dump the job never writes is refused."""
+    if job.name == "rl" and res["load_debug_rollout_data"] is not None:
+        if res["eval_interval"] is not None:
+            res.fail(f"{res.show('eval_interval')}: training on saved rollouts starts no engine to evaluate with")
+        if res["debug_rollout_only"]:
+            res.fail(f"{res.show('debug_rollout_only')} and --load-debug-rollout-data exclude each other")
+    if res["load_debug_rollout_data"] is not None and job.name not in ("rl", "replay"):
+        res.fail(f"{res.show('load_debug_rollout_data')}: `miles {job.command}` trains on no saved rollout")
+    if res["debug_rollout_only"] and job.name not in ("rl", "rollout-only"):
+        res.fail(f"{res.show('debug_rollout_only')}: `miles {job.command}` has no rollout-only mode")
+    if res["save_debug_rollout_data"] is not None and job.name not in _ROLLOUT_DUMPS:
+        res.fail(f"{res.show('save_debug_rollout_data')}: `miles {job.command}` makes no rollouts to save")
+    if res["save_debug_train_data"] is not None and job.name not in _TRAIN_DUMPS:
+        res.fail(f"{res.show('save_debug_train_data')}: `miles {job.command}` saves no train data (train rl does)")
+    folder = res["dump_details"]
+    if folder is None:
+        return
+    if job.name not in _ROLLOUT_DUMPS:
+        res.fail(f"{res.show('dump_details')}: `miles {job.command}` writes no debug dumps (train rl, rollout-only)")
+    root = str(folder).rstrip("/")
+    if res["save_debug_rollout_data"] is None:
+        res.derive("save_debug_rollout_data", f"{root}/rollout_data/{{rollout_id}}.pt")
+    if job.name in _TRAIN_DUMPS and res["save_debug_train_data"] is None:
+        res.derive("save_debug_train_data", f"{root}/train_data/{{rollout_id}}.pt")
 
 
 def check_checkpointing(res: Resolution, job: JobSpec) -> None:
