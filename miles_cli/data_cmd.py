@@ -37,3 +37,26 @@ def digits(
         paths = {f"digits:{k}": v for k, v in write_digits_data(out.expanduser()).items()}
     for spec, path in paths.items():
         typer.echo(f"{spec:<16} {path}")
+
+
+@app.command("digits-video")
+def digits_video(
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Directory to write into (default: $MILES_HOME/data/digits-video)."),
+    ] = None,
+) -> None:
+    """Write moving digits (one digit crossing a 64x64 frame in 9 frames, in a prompted direction) as prompt
+    JSONL (train/test/labels) and a video+caption SFT set of animated WebPs."""
+    if out is None:
+        from miles.data.builtin import builtin_dataset_names, resolve_dataset
+
+        paths = {spec: resolve_dataset(spec) for spec in builtin_dataset_names() if spec.startswith("digits-video:")}
+    else:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out}: exists and is not a directory")
+        from miles.data.digits_video import write_digits_video_data
+
+        paths = {f"digits-video:{k}": v for k, v in write_digits_video_data(out.expanduser()).items()}
+    for spec, path in paths.items():
+        typer.echo(f"{spec:<22} {path}")

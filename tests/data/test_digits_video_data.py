@@ -113,3 +113,17 @@ def test_resolve_generates_the_video_set_once(miles_home, digits_split):
     (root / "labels.jsonl").unlink()
     assert resolve_dataset("digits-video:labels").is_file()
     assert json.loads(manifest.read_text())["format_version"] == FORMAT_VERSION
+
+
+def test_miles_data_digits_video_writes_the_set(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from miles_cli.data_cmd import app
+
+    result = CliRunner().invoke(app, ["digits-video", "--out", str(tmp_path / "dv")])
+    assert result.exit_code == 0, result.output
+    assert "digits-video:labels" in result.output
+    labels = (tmp_path / "dv" / "labels.jsonl").read_text().splitlines()
+    assert len(labels) == 40
+    bad = CliRunner().invoke(app, ["digits-video", "--out", str(tmp_path / "dv" / "labels.jsonl")])
+    assert bad.exit_code != 0
