@@ -267,6 +267,16 @@ def _add_sub_apps() -> None:
 _add_sub_apps()
 
 
+def _add_dashboard() -> None:
+    """`miles dashboard DIR` (torch- and Ray-free: it only reads the trace files)."""
+    from miles_cli.dashboard_cmd import dashboard
+
+    app.command("dashboard", rich_help_panel="Tools")(dashboard)
+
+
+_add_dashboard()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: one line per user mistake, exit 2 for usage errors, 3 when the runtime is missing."""
     from typer import exceptions as typer_exc

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.rollout import rollout_hooks
 from miles.rollout.data_source import load_data_source
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.step_strategy_hub import resolve_step_strategy, select_steps
@@ -283,13 +284,21 @@ class RolloutManager:
         return engine.transformer_state_dict()
 
     # ---- evaluation ------------------------------------------------------------------------
-    def evaluate(self) -> tuple[dict[str, float], dict[str, list[Sample]]]:
+    def evaluate(self, rollout_id: int = 0) -> tuple[dict[str, float], dict[str, list[Sample]]]:
         """Generate and score every eval dataset (ODE, no trajectories): metrics and the samples by name."""
         from miles.rollout.evaluation import eval_datasets, eval_groups, eval_metrics
         from miles.rollout.rm_hub.dispatch import score_samples
 
         metrics: dict[str, float] = {}
         by_name: dict[str, list[Sample]] = {}
+        if rollout_hooks.eval_function(self.args) is not None:  # --eval-function-path / --rollout-function-path
+            source = self.data_source if self.args.prompt_data else None
+            by_name, extra = rollout_hooks.call_eval_rollout(self.args, rollout_id, source)
+            for name, samples in by_name.items():
+                if any(s.reward is None for s in samples):
+                    asyncio.run(score_samples(self.args, [s for s in samples if s.reward is None]))
+                metrics.update(eval_metrics(self.args, name, samples))
+            return {**metrics, **extra}, by_name
         for dataset in eval_datasets(self.args):
             groups = eval_groups(self.args, dataset)
             requests = build_requests(self.args, groups, self.strategy, evaluation=True)
@@ -307,6 +316,8 @@ class RolloutManager:
     def run_requests(self, requests: list[GenerateRequest], score: bool = False) -> list[Sample]:
         """Spread the requests over the engines (round robin) and gather the samples. sglang engines are
         reached through the miles router, and with `score` each microgroup is scored as soon as it arrives."""
+        if rollout_hooks.generate_function(self.args) is not None:  # --custom-generate-function-path
+            return rollout_hooks.run_custom_generate(self.args, requests)
         if self.sglang is not None:
             return self.sglang.run(requests, score=score)
         shards: list[list[GenerateRequest]] = [[] for _ in self.engines]
@@ -330,13 +341,17 @@ class RolloutManager:
 
         args = self.args
         start = time.perf_counter()
-        groups = self.data_source.get_samples(int(args.rollout_batch_size))
-        if not hasattr(self, "_allowed_steps"):
-            self._allowed_steps = trained_expert_steps(args, int(args.diffusion_num_steps))
-        requests = build_requests(args, groups, self.strategy, allowed_steps=self._allowed_steps)
-        by_index = {s.index: s for s in self.run_requests(requests, score=True)}
+        hook_metrics: dict[str, float] = {}
+        if rollout_hooks.rollout_function(args) is not None:  # --rollout-function-path
+            groups, hook_metrics = rollout_hooks.call_train_rollout(args, rollout_id, self.data_source)
+        else:
+            groups = self.data_source.get_samples(int(args.rollout_batch_size))
+            if not hasattr(self, "_allowed_steps"):
+                self._allowed_steps = trained_expert_steps(args, int(args.diffusion_num_steps))
+            requests = build_requests(args, groups, self.strategy, allowed_steps=self._allowed_steps)
+            by_index = {s.index: s for s in self.run_requests(requests, score=True)}
+            groups = [[_merge(s, by_index[s.index]) for s in group] for group in groups]
         generated = time.perf_counter()
-        groups = [[_merge(s, by_index[s.index]) for s in group] for group in groups]
         flat = [s for group in groups for s in group]
         if args.group_rm:
             asyncio.run(score_groups(args, groups))
@@ -361,6 +376,7 @@ class RolloutManager:
             "perf/generate_time": generated - start,
             "perf/reward_time": scored - generated,
             "perf/rollout_time": time.perf_counter() - start,
+            **hook_metrics,
         }
         log_probs = [lp for s in samples if s.trajectory is not None for lp in s.trajectory.log_probs.tolist()]
         if log_probs:

@@ -179,12 +179,15 @@ def draw_noise(
     return torch.stack(rows)
 
 
-def step_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: Scalar, sde_type: str) -> torch.Tensor:
+def step_log_prob(
+    x_next: torch.Tensor, mean: torch.Tensor, std: Scalar, sde_type: str, no_const: bool = False
+) -> torch.Tensor:
     """Per-sample log-prob `[B]` of `x_next` under the step's Gaussian, averaged over non-batch dims.
 
-    `sde`: the full Gaussian log-density with std `std` (0-d or `[B]`). `cps`: `-mean((x_next - mean)**2)`,
-    every constant dropped (`std` unused). `ode` has no density and raises. Nothing is detached here:
-    `sde_step` detaches the sample it scores.
+    `sde`: the full Gaussian log-density with std `std` (0-d or `[B]`); with `no_const`
+    (`--diffusion-log-prob-no-const`) the terms that do not depend on the mean, `-log s - log sqrt(2 pi)`,
+    are dropped. `cps`: `-mean((x_next - mean)**2)`, every constant already dropped (`std` and `no_const`
+    unused). `ode` has no density and raises. Nothing is detached here: `sde_step` detaches the sample it scores.
     """
     x_next = x_next.float()
     mean = mean.float()
@@ -193,6 +196,8 @@ def step_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: Scalar, sde_typ
         return -_mean_non_batch(diff_sq)
     if sde_type == "sde":
         s = _view(torch.as_tensor(std, dtype=torch.float32).to(device=mean.device, dtype=torch.float32), mean.ndim)
+        if no_const:
+            return _mean_non_batch(-diff_sq / (2 * s**2))
         return _mean_non_batch(-diff_sq / (2 * s**2) - torch.log(s) - _LOG_SQRT_2PI)
     if sde_type == "ode":
         raise ValueError("an ode step is deterministic and has no log-prob")
@@ -211,6 +216,7 @@ def sde_step(
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
     generator: GeneratorArg = None,
+    no_const: bool = False,
 ) -> StepResult:
     """One denoising step from `x` at `sigma` to `sigma_next` with model velocity `v` (after CFG).
 
@@ -218,7 +224,8 @@ def sde_step(
     from `generator` (see `draw_noise`). Trainer recompute: pass the stored next latent as `prev_sample`;
     it is returned unchanged and its log-prob computed (detached, so gradients flow through `mean` only).
     `sigma_max` is the schedule's `sigmas[1]`, used by `sde` in place of sigma where sigma == 1; it is
-    required for `sde` whenever a sigma equals 1. See the module docstring for the formulas.
+    required for `sde` whenever a sigma equals 1. `no_const` drops the log-prob's constant terms
+    (`step_log_prob`). See the module docstring for the formulas.
     """
     if sde_type not in SDE_TYPES:
         raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
@@ -275,5 +282,5 @@ def sde_step(
         if prev_sample.shape != x.shape:
             raise ValueError(f"prev_sample {tuple(prev_sample.shape)} must match x {tuple(x.shape)}")
         prev_sample = prev_sample.float()
-    log_prob = None if deterministic else step_log_prob(prev_sample.detach(), mean, std, sde_type)
+    log_prob = None if deterministic else step_log_prob(prev_sample.detach(), mean, std, sde_type, no_const)
     return StepResult(prev_sample=prev_sample, mean=mean, std=std, std_dev_t=std_dev_t, log_prob=log_prob)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from miles.io.dashboard import open_dashboard
 from miles.io.images import save_grid
 from miles.io.loggers import MetricsLogger
+from miles.rollout.rollout_hooks import log_eval
 from miles.runtime.ci_check import ci_check
 from miles.runtime.session import ray_job
 
@@ -34,10 +36,12 @@ def run(resolved: ResolvedJob) -> int:
     with ray_job(resolved, args) as job:
         out = job.out
         job.record_placement()
-        metrics, by_name = ray.get(job.manager.evaluate.remote())
-    with MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None) as logger:
-        logger.log(0, metrics)
-    save_eval_grids(args, out, by_name)
+        with open_dashboard(args, resolved.spec.name, resolved.recipe) as dash, dash.span("eval", rollout_id=0):
+            metrics, by_name = ray.get(job.manager.evaluate.remote(0))
+    if not log_eval(args, 0, by_name, metrics):  # a truthy --custom-eval-rollout-log-function-path skips this
+        with MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None) as logger:
+            logger.log(0, metrics)
+        save_eval_grids(args, out, by_name)
     for key, value in sorted(metrics.items()):
         print(f"{key} = {value:.4f}")
     return ci_check(args, out)

@@ -11,7 +11,8 @@ on under `--colocate`, where trainer ranks and engines share GPUs).
 
 What moved is measured by the driver: `perf/offload_time`, `perf/onload_time` (seconds of the phase
 switches in one iteration) and `perf/offload_train_bytes`, `perf/offload_rollout_bytes` (bytes the
-trainers and the engines moved off their devices).
+trainers and the engines moved off their devices). With a dashboard (`miles.io.dashboard`) every move is an
+`offload` or `onload` span too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ EVERYTHING = ("optimizer", "grads", "params")
 
 
 class Phases:
-    def __init__(self, args: Any, manager: Any, groups: Sequence[Any]) -> None:
+    def __init__(self, args: Any, manager: Any, groups: Sequence[Any], dash: Any = None) -> None:
+        from miles.io.dashboard import NullDashboard
+
+        self.dash = dash or NullDashboard()
         self.train = bool(args.offload_train)
         self.rollout = bool(args.offload_rollout) and manager is not None
         self.manager = manager
@@ -37,7 +41,10 @@ class Phases:
     @classmethod
     def disabled(cls) -> Phases:
         """Nothing moves (a loop run without offload)."""
+        from miles.io.dashboard import NullDashboard
+
         phases = cls.__new__(cls)
+        phases.dash = NullDashboard()
         phases.train = phases.rollout = phases.asleep = False
         phases.manager, phases.groups = None, []
         phases._reset()
@@ -95,15 +102,18 @@ class Phases:
     # ---- moves ----------------------------------------------------------------------------------
     def _trainers_off(self, parts: tuple[str, ...]) -> None:
         start = time.perf_counter()
-        moved = sum(group.offload(parts) for group in self.groups)
+        with self.dash.span("offload", what="trainers", parts=list(parts)) as span:
+            moved = sum(group.offload(parts) for group in self.groups)
+            span.args["bytes"] = moved
         self.metrics["perf/offload_time"] += time.perf_counter() - start
         self.metrics["perf/offload_train_bytes"] += moved
         self.asleep = True
 
     def _trainers_on(self) -> None:
         start = time.perf_counter()
-        for group in self.groups:
-            group.onload()
+        with self.dash.span("onload", what="trainers"):
+            for group in self.groups:
+                group.onload()
         self.metrics["perf/onload_time"] += time.perf_counter() - start
         self.asleep = False
 
@@ -111,7 +121,9 @@ class Phases:
         import ray
 
         start = time.perf_counter()
-        moved = ray.get(getattr(self.manager, method).remote())
+        with self.dash.span(method.split("_")[0], what="engines") as span:
+            moved = ray.get(getattr(self.manager, method).remote())
+            span.args["bytes"] = moved
         key = "perf/offload_time" if method == "offload_engines" else "perf/onload_time"
         self.metrics[key] += time.perf_counter() - start
         if method == "offload_engines":

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.io.dashboard import open_dashboard
 from miles.io.loggers import MetricsLogger
 from miles.io.rollout_file import format_rollout_path, save_rollout
+from miles.rollout.rollout_hooks import log_rollout
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
 
@@ -26,18 +28,26 @@ def run(resolved: ResolvedJob) -> int:
         job.record_placement()
         num_rollout = args.num_rollout or ray.get(manager.num_rollout.remote())
         start = args.start_rollout_id or 0
+        dash = open_dashboard(args, resolved.spec.name, resolved.recipe)
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
         with progress_bar("rollout", num_rollout - start) as advance:
             for rollout_id in range(start, num_rollout):
-                batch = ray.get(manager.generate.remote(rollout_id))
-                save_rollout(out / f"rollout_{rollout_id}.pt", rollout_id, batch.samples)
-                if args.save_debug_rollout_data:
-                    save_rollout(
-                        format_rollout_path(args.save_debug_rollout_data, rollout_id), rollout_id, batch.samples
-                    )
+                with dash.span("rollout", rollout_id=rollout_id) as span:
+                    batch = ray.get(manager.generate.remote(rollout_id))
+                dash.rollout(rollout_id, span.start, batch.metrics, batch.samples)
+                with dash.span("save", rollout_id=rollout_id):
+                    save_rollout(out / f"rollout_{rollout_id}.pt", rollout_id, batch.samples)
+                    if args.save_debug_rollout_data:
+                        save_rollout(
+                            format_rollout_path(args.save_debug_rollout_data, rollout_id), rollout_id, batch.samples
+                        )
+                if log_rollout(args, rollout_id, batch.samples, batch.metrics):  # the hook replaced the logging
+                    advance("")
+                    continue
                 labels = [f"{s.prompt} | r={s.scalar_reward(args.reward_key):.3f}" for s in batch.samples]
                 logger.log_images(rollout_id, [s.image for s in batch.samples], labels)
                 advance(logger.log(rollout_id, batch.metrics))
         logger.close()
+        dash.close()
     print(f"miles: wrote {num_rollout - start} rollouts to {out}")
     return 0

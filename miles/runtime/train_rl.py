@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.io.dashboard import NullDashboard, open_dashboard
 from miles.io.loggers import MetricsLogger
+from miles.rollout.rollout_hooks import log_eval, log_rollout
 from miles.runtime.ci_check import ci_check
 from miles.runtime.output import export_final
 from miles.runtime.progress import progress_bar
@@ -50,27 +52,32 @@ def run(resolved: ResolvedJob) -> int:
         group = TrainerGroup(args, "actor", total_steps, job.placement)
         job.record_placement([group])
         start = resume(args, manager, group)
-        phases = Phases(args, manager, [group])
+        dash = open_dashboard(args, resolved.spec.name, resolved.recipe)
+        phases = Phases(args, manager, [group], dash=dash)
         phases.start()
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
         with progress_bar("train rl", num_rollout - start) as advance:
             for rollout_id in range(start, num_rollout):
                 metrics: dict[str, float] = {}
                 if eval_due(args, rollout_id, start):
-                    metrics.update(run_eval(args, manager, out, rollout_id))
-                step_metrics, batch = run_iteration(args, manager, group, rollout_id, phases)
+                    metrics.update(run_eval(args, manager, out, rollout_id, dash))
+                step_metrics, batch = run_iteration(args, manager, group, rollout_id, phases, dash)
                 metrics.update(step_metrics)
                 save_debug_data(args, rollout_id, batch.samples, step_metrics)
-                advance(logger.log(rollout_id, metrics))
-                logger.log_images(rollout_id, *_images(args, batch.samples))
+                if log_rollout(args, rollout_id, batch.samples, batch.metrics):  # the hook replaced rollout logging
+                    advance(logger.log(rollout_id, {k: v for k, v in metrics.items() if k not in batch.metrics}))
+                else:
+                    advance(logger.log(rollout_id, metrics))
+                    logger.log_images(rollout_id, *_images(args, batch.samples))
                 if save_due(args, rollout_id, num_rollout):
-                    with phases.trainers_awake():
+                    with dash.span("save", rollout_id=rollout_id), phases.trainers_awake():
                         save(args, manager, group, rollout_id)
         if has_eval_data(args) and args.eval_interval and start < num_rollout:
-            logger.log(num_rollout, run_eval(args, manager, out, num_rollout))
-        with phases.trainers_awake():
+            logger.log(num_rollout, run_eval(args, manager, out, num_rollout, dash))
+        with dash.span("export"), phases.trainers_awake():
             export_final(args, group)
         logger.close()
+        dash.close()
     print(f"miles: train rl finished {num_rollout - start} rollouts; metrics in {out / 'metrics.jsonl'}")
     return ci_check(args, out)
 
@@ -89,16 +96,19 @@ def run_from_files(resolved: ResolvedJob, args: Any) -> int:
         group = TrainerGroup(args, "actor", total_steps, job.placement)
         job.record_placement([group])
         start = resume(args, None, group)
+        dash = open_dashboard(args, resolved.spec.name, resolved.recipe)
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
         with progress_bar("train rl (saved rollouts)", num_rollout - start) as advance:
             for rollout_id in range(start, num_rollout):
-                _, samples, _ = load_rollout(format_rollout_path(template, rollout_id))
+                with dash.span("load", rollout_id=rollout_id):
+                    _, samples, _ = load_rollout(format_rollout_path(template, rollout_id))
                 if args.load_debug_rollout_data_subsample:
                     samples = subsample_rollout(
                         samples, args.load_debug_rollout_data_subsample, group_size=args.n_samples_per_prompt
                     )
                 t0 = time.perf_counter()
-                metrics = train_metrics(group.train(rollout_id, samples))
+                with dash.span("train", rollout_id=rollout_id):
+                    metrics = train_metrics(group.train(rollout_id, samples))
                 metrics["perf/step_time"] = time.perf_counter() - t0
                 save_debug_data(args, rollout_id, samples, metrics)
                 advance(logger.log(rollout_id, metrics))
@@ -106,6 +116,7 @@ def run_from_files(resolved: ResolvedJob, args: Any) -> int:
                     save(args, None, group, rollout_id)
         export_final(args, group)
         logger.close()
+        dash.close()
     print(f"miles: train rl trained on {num_rollout - start} saved rollouts; metrics in {out / 'metrics.jsonl'}")
     return ci_check(args, out)
 
@@ -136,12 +147,15 @@ def eval_due(args: Any, rollout_id: int, start: int) -> bool:
     return rollout_id % args.eval_interval == 0
 
 
-def run_eval(args: Any, manager: Any, out: Path, rollout_id: int) -> dict[str, float]:
+def run_eval(args: Any, manager: Any, out: Path, rollout_id: int, dash: Any = None) -> dict[str, float]:
     import ray
 
     from miles.runtime.eval_job import save_eval_grids
 
-    metrics, by_name = ray.get(manager.evaluate.remote())
+    with (dash or NullDashboard()).span("eval", rollout_id=rollout_id):
+        metrics, by_name = ray.get(manager.evaluate.remote(rollout_id))
+    if log_eval(args, rollout_id, by_name, metrics):  # --custom-eval-rollout-log-function-path took over
+        return {}
     save_eval_grids(args, out, by_name, tag=f"_{rollout_id}")
     return metrics
 
@@ -198,27 +212,34 @@ def _images(args: Any, samples: list[Any], limit: int = 64) -> tuple[list[Any], 
 
 
 def run_iteration(
-    args: Any, manager: Any, group: Any, rollout_id: int, phases: Any = None
+    args: Any, manager: Any, group: Any, rollout_id: int, phases: Any = None, dash: Any = None
 ) -> tuple[dict[str, float], Any]:
     """Generate, train, sync; `phases` (`miles.runtime.phases.Phases`) moves trainer and engine memory
-    between the phases under --offload-train / --offload-rollout."""
+    between the phases under --offload-train / --offload-rollout; `dash` (`miles.io.dashboard`) records
+    each phase as a span."""
     import ray
 
     from miles.runtime.phases import Phases
 
     phases = phases or Phases.disabled()
+    dash = dash or NullDashboard()
     t0 = time.perf_counter()
-    batch = ray.get(manager.generate.remote(rollout_id))
-    metrics = dict(batch.metrics)
-    phases.to_train()
-    metrics.update(train_metrics(group.train(rollout_id, batch.samples)))
-    phases.to_sync()
-    if not args.debug_skip_optimizer_step:
-        t1 = time.perf_counter()
-        sync_weights(manager, group, rollout_id + 1)
-        metrics["perf/sync_time"] = time.perf_counter() - t1
-        metrics.update(ray.get(manager.sync_metrics.remote()))
-    phases.to_rollout()
-    metrics.update(phases.take_metrics())
-    metrics["perf/step_time"] = time.perf_counter() - t0
+    with dash.span(f"rollout {rollout_id}", "iteration", track="iterations", rollout_id=rollout_id):
+        with dash.span("rollout") as span:
+            batch = ray.get(manager.generate.remote(rollout_id))
+        dash.rollout(rollout_id, span.start, batch.metrics, batch.samples)
+        metrics = dict(batch.metrics)
+        phases.to_train()
+        with dash.span("train"):
+            metrics.update(train_metrics(group.train(rollout_id, batch.samples)))
+        phases.to_sync()
+        if not args.debug_skip_optimizer_step:
+            t1 = time.perf_counter()
+            with dash.span("sync"):
+                sync_weights(manager, group, rollout_id + 1)
+            metrics["perf/sync_time"] = time.perf_counter() - t1
+            metrics.update(ray.get(manager.sync_metrics.remote()))
+        phases.to_rollout()
+        metrics.update(phases.take_metrics())
+        metrics["perf/step_time"] = time.perf_counter() - t0
     return metrics, batch

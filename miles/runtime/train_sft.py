@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from miles.config.errors import ConfigError
+from miles.io.dashboard import open_dashboard
 from miles.io.loggers import MetricsLogger
 from miles.runtime.ci_check import ci_check
 from miles.runtime.output import export_final
@@ -74,8 +75,10 @@ def run(resolved: ResolvedJob) -> int:
 
     args = resolved.trainer_args["actor"]
     with ray_job(resolved, args, manager_class=None) as job:
+        dash = open_dashboard(args, resolved.spec.name, resolved.recipe)
         start = time.perf_counter()
-        data = encode_sft_dataset(args)
+        with dash.span("encode"):
+            data = encode_sft_dataset(args)
         print(f"miles: encoded {len(data)} SFT rows in {time.perf_counter() - start:.1f}s")
         steps_per_iter = int(args.num_steps_per_rollout or 1)
         gbs = int(args.global_batch_size)
@@ -85,7 +88,7 @@ def run(resolved: ResolvedJob) -> int:
         sampler = RowSampler(len(data), args.seed)
         generator = torch.Generator().manual_seed(args.seed)
         first = resume(args, group, sampler, generator)
-        evaluator = SftEval(args, job.out, group)
+        evaluator = SftEval(args, job.out, group, dash)
         logger = MetricsLogger(args, job.out, resolved.spec.name, echo=lambda line: None)
         every = max(1, num_iters // 20)
         with progress_bar("train sft", max(0, num_iters - first)) as advance:
@@ -93,18 +96,22 @@ def run(resolved: ResolvedJob) -> int:
                 metrics: dict[str, float] = {}
                 if eval_due(args, it, first):
                     metrics.update(evaluator(it))
-                for _ in range(steps_per_iter):
-                    x0, samples = data.batch(sampler.take(gbs), generator)
-                    metrics.update(train_metrics(group.train_sft(x0, samples)))
+                with dash.span("train", rollout_id=it):
+                    for _ in range(steps_per_iter):
+                        x0, samples = data.batch(sampler.take(gbs), generator)
+                        metrics.update(train_metrics(group.train_sft(x0, samples)))
                 evaluator.trained = True
                 line = logger.log(it, metrics)
                 advance(line if it % every == 0 or it == num_iters - 1 or "eval/" in line else "")
                 if save_due(args, it, num_iters):
-                    save(args, group, it, sampler, generator)
+                    with dash.span("save", rollout_id=it):
+                        save(args, group, it, sampler, generator)
         if has_eval_data(args) and args.eval_interval and first < num_iters:
             logger.log(num_iters, evaluator(num_iters))
         logger.close()
-        export_final(args, group)
+        with dash.span("export"):
+            export_final(args, group)
+        dash.close()
     print(f"miles: train sft finished {max(0, num_iters - first)} iterations; metrics in {job.out / 'metrics.jsonl'}")
     return ci_check(args, job.out)
 
@@ -145,13 +152,17 @@ class SftEval:
     """`--eval-interval`: the eval datasets through `RolloutManager.evaluate` on one in-process engine (made on
     first use), which gets the trainer's weights whenever they changed since its last eval."""
 
-    def __init__(self, args: Any, out: Any, group: Any) -> None:
+    def __init__(self, args: Any, out: Any, group: Any, dash: Any = None) -> None:
+        from miles.io.dashboard import NullDashboard
+
         self.args, self.out, self.group = args, out, group
+        self.dash = dash or NullDashboard()
         self.manager: Any = None
         self.trained = bool(args.load)  # the engine loads --hf-checkpoint: a resumed trainer differs from it
 
     def __call__(self, it: int) -> dict[str, float]:
         from miles.rollout.manager import RolloutManager
+        from miles.rollout.rollout_hooks import log_eval
         from miles.runtime.eval_job import save_eval_grids
 
         if self.manager is None:
@@ -159,9 +170,13 @@ class SftEval:
             eval_args.rollout_backend = "diffusers"  # never an sglang server here ("auto" on a GPU machine)
             self.manager = RolloutManager(eval_args)
         if self.trained:
-            self.manager.update_weights(self.group.weights_for_sync(), it)
+            with self.dash.span("sync", rollout_id=it):
+                self.manager.update_weights(self.group.weights_for_sync(), it)
             self.trained = False
         start = time.perf_counter()
-        metrics, by_name = self.manager.evaluate()
+        with self.dash.span("eval", rollout_id=it):
+            metrics, by_name = self.manager.evaluate(it)
+        if log_eval(self.args, it, by_name, metrics):  # --custom-eval-rollout-log-function-path took over
+            return {"perf/eval_time": time.perf_counter() - start}
         save_eval_grids(self.args, self.out, by_name, tag=f"_{it}")
         return {**metrics, "perf/eval_time": time.perf_counter() - start}

@@ -34,11 +34,51 @@ def target_components(args: Any) -> tuple[str, ...]:
     return parse(getattr(args, "update_weight_target_module", None))
 
 
+MODEL_BACKEND_FLAG = "--model-backend-path"
+
+
+class ModelBackend:
+    """The trainer's model loader; `--model-backend-path pkg.module.MyBackend` names a subclass, built as
+    `cls(args, family)`. `load_denoiser(checkpoint_dir, dtype, components) -> torch.nn.Module` returns the
+    DiT to train (`components`: the `--update-weight-target-module` names). The default delegates to the
+    family (`TrainPipelineConfig.load_denoiser`). LoRA, FSDP2 and the schedule stay with the trainer and
+    the family; the engines still serve `--hf-checkpoint`, so the module's weight names must match theirs
+    for the weight sync."""
+
+    def __init__(self, args: Any, family: TrainPipelineConfig) -> None:
+        self.args, self.family = args, family
+
+    def load_denoiser(self, checkpoint_dir: str, dtype: torch.dtype, components: tuple[str, ...]) -> torch.nn.Module:
+        return self.family.load_denoiser(checkpoint_dir, dtype, components)
+
+
+def model_backend(args: Any, family: TrainPipelineConfig) -> ModelBackend:
+    """The `--model-backend-path` class (a `ModelBackend` subclass) built on (args, family), else `ModelBackend`."""
+    path = getattr(args, "model_backend_path", None)
+    if not path:
+        return ModelBackend(args, family)
+    from miles.config.errors import ConfigError
+    from miles.utils.hooks import load_class
+
+    cls = load_class(path, MODEL_BACKEND_FLAG)
+    if not issubclass(cls, ModelBackend):
+        raise ConfigError(
+            f"{MODEL_BACKEND_FLAG} {path!r}: {cls.__name__} is not a subclass of miles.training.model.ModelBackend"
+        )
+    return cls(args, family)
+
+
 def load_transformer(args: Any, family: TrainPipelineConfig, checkpoint: Any = None) -> torch.nn.Module:
     """The DiT (the family's denoiser: the transformer, or the experts `--update-weight-target-module` names)
     in the master dtype (`--fsdp-master-dtype`), in train mode."""
     checkpoint = ensure_checkpoint(checkpoint if checkpoint is not None else args.hf_checkpoint)
-    model = family.load_denoiser(os.fspath(checkpoint), DTYPES[args.fsdp_master_dtype], target_components(args))
+    backend = model_backend(args, family)
+    model = backend.load_denoiser(os.fspath(checkpoint), DTYPES[args.fsdp_master_dtype], target_components(args))
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{MODEL_BACKEND_FLAG} {args.model_backend_path!r}: load_denoiser returned {type(model).__name__}, "
+            "not a torch.nn.Module"
+        )
     if args.gradient_checkpointing:
         for module in [model, *model.children()]:
             if hasattr(module, "enable_gradient_checkpointing"):

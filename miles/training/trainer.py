@@ -20,7 +20,7 @@ from miles.algorithms.nft import nft_corrupt, nft_loss, nft_timesteps
 from miles.algorithms.policy_loss import policy_loss
 from miles.algorithms.sft_loss import noisy_latents, sample_sigmas, sft_loss
 from miles.config.errors import ConfigError
-from miles.rollout.sde import sde_step
+from miles.rollout.sde_backends import backend_step
 from miles.rollout.types import Sample
 from miles.training.custom_hooks import TrainHooks
 from miles.training.model import (
@@ -214,8 +214,16 @@ class Trainer:
         cfg, sde_type, noise = b["guidance_scale"], b["sde_type"], b["noise_level"]
 
         def step_of(v: torch.Tensor):
-            return sde_step(
-                v, x, sig, sig_next, sde_type=sde_type, noise_level=noise, sigma_max=sig_max, prev_sample=x_next
+            return backend_step(  # the engine's kernel: --sde-step-backend-path, --diffusion-log-prob-no-const
+                self.args,
+                v,
+                x,
+                sig,
+                sig_next,
+                sde_type=sde_type,
+                noise_level=noise,
+                sigma_max=sig_max,
+                prev_sample=x_next,
             )
 
         # The reference forward runs first: swapping weights (EMA) must not happen under a live graph.

@@ -13,7 +13,8 @@ FLAGS: list[Flag] = [
         "custom-generate-function-path",
         DOTTED,
         None,
-        "Replaces the inner generate call of the diffusion rollout (default: one microgroup per request).",
+        "async fn(args, microgroup, sampling_params, *, evaluation=False) -> list[Sample]: replaces the engine call "
+        "per microgroup request (miles.rollout.rollout_hooks).",
     ),
     _f("dynamic-sampling-filter-path", DOTTED, None, "Per-group keep/drop filter applied after scoring."),
     _f(
@@ -22,7 +23,13 @@ FLAGS: list[Flag] = [
         None,
         "Per-sample loss mask (set sample.remove_sample); masked samples still count for advantages.",
     ),
-    _f("buffer-filter-path", DOTTED, None, "Chooses which buffered samples a rollout takes (default: pop first)."),
+    _f(
+        "buffer-filter-path",
+        DOTTED,
+        None,
+        "Chooses which buffered groups a rollout takes (default: pop first); needs a --data-source-path that "
+        "fills the buffer (add_samples).",
+    ),
     _f(
         "custom-convert-samples-to-train-data-path",
         DOTTED,
@@ -35,6 +42,16 @@ FLAGS: list[Flag] = [
         None,
         "Replaces only the expansion of each sample into train pairs.",
     ),
-    _f("custom-rollout-log-function-path", DOTTED, None, "Replaces the logging of train rollouts."),
-    _f("custom-eval-rollout-log-function-path", DOTTED, None, "Replaces the logging of eval rollouts."),
+    _f(
+        "custom-rollout-log-function-path",
+        DOTTED,
+        None,
+        "fn(rollout_id, args, samples, metrics, rollout_time) -> bool; truthy skips the default rollout logging.",
+    ),
+    _f(
+        "custom-eval-rollout-log-function-path",
+        DOTTED,
+        None,
+        "fn(rollout_id, args, data, metrics) -> bool; truthy skips the default eval logging.",
+    ),
 ]

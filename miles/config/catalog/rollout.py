@@ -27,7 +27,8 @@ FLAGS: list[Flag] = [
         "rollout-function-path",
         DOTTED,
         "miles.rollout.sglang_rollout.generate_rollout",
-        "Function that produces one rollout; diffusion recipes set the diffusion rollout.",
+        "fn(args, rollout_id, data_source, evaluation=False) replacing the sampling of a rollout; the reference "
+        "names (sglang_rollout / sglang_diffusion_rollout .generate_rollout) mean the built-in rollout.",
     ),
     _f(
         "train-pipeline-config-path",
@@ -35,7 +36,12 @@ FLAGS: list[Flag] = [
         None,
         "Your own TrainPipelineConfig class for an unregistered family; excludes --diffusion-model-family.",
     ),
-    _f("model-backend-path", DOTTED, None, "Model-backend class replacing the family's loader."),
+    _f(
+        "model-backend-path",
+        DOTTED,
+        None,
+        "miles.training.model.ModelBackend subclass replacing the family's DiT loader (trainer side).",
+    ),
     _f("diffusion-num-steps", INT, 10, "Denoising steps per rollout sample.", min=1),
     _f(
         "diffusion-flow-shift",
@@ -82,7 +88,8 @@ FLAGS: list[Flag] = [
         "sde-step-backend-path",
         DOTTED,
         None,
-        "SdeStepBackend subclass replacing the one chosen by --diffusion-sde-type.",
+        "miles.rollout.sde_backends.SdeStepBackend subclass replacing the one --diffusion-sde-type picks, in the "
+        "diffusers engine and the trainer.",
     ),
     _f(
         "diffusion-num-sde-steps",
@@ -115,7 +122,7 @@ FLAGS: list[Flag] = [
         "diffusion-log-prob-no-const",
         BOOL,
         False,
-        "Drop the constant terms of the engine-side log-probs (pairs with the cps backend).",
+        "Drop the constant terms of the sde log-probs, in the engine and the trainer alike (cps has none).",
     ),
     _f("diffusion-generator-device", STR, "cuda", "Device of the random generator used for sampling noise."),
     _f(

@@ -6,7 +6,7 @@ naming the flags, their values and where they came from. They run in the order l
 
 from __future__ import annotations
 
-from miles.config.rules import algorithm, batch, data, engines, misc, optimizer, topology, training_backend
+from miles.config.rules import algorithm, batch, data, engines, hooks, misc, optimizer, topology, training_backend
 
 SHARED_RULES = (
     *topology.RULES,
@@ -17,5 +17,6 @@ SHARED_RULES = (
     *data.RULES,
     *misc.RULES,
     *engines.RULES,
+    *hooks.RULES,
     topology.check_placement,
 )

@@ -20,6 +20,7 @@ from miles.models.lora_sync import LoraMerger, is_lora_entry
 from miles.models.tiny.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.sde import sde_step
+from miles.rollout.sde_backends import backend_step
 from miles.rollout.seeds import cpu_generator
 from miles.rollout.types import Conditions, Sample, Trajectory
 from miles.utils.offload import own_memory
@@ -236,7 +237,8 @@ class DiffusersEngine:
                 noise = torch.zeros_like(x)
                 for b in rows:
                     noise[b] = torch.randn(shape, generator=generators[b], dtype=torch.float32)
-                res = sde_step(
+                res = backend_step(  # --sde-step-backend-path / --diffusion-log-prob-no-const (sde_backends)
+                    self.args,
                     v,
                     x,
                     sigmas[i],

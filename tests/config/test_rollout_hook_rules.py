@@ -1,0 +1,73 @@
+"""Rules of the rollout hooks and backends: each is accepted only where miles calls it (torch-free)."""
+
+from __future__ import annotations
+
+import pytest
+from jobs_helpers import assert_names, rejected, run
+
+HOOK = "my_hooks.fn"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["miles.rollout.sglang_rollout.generate_rollout", "miles.rollout.sglang_diffusion_rollout.generate_rollout"],
+)
+def test_reference_rollout_names_are_the_builtin_rollout(name: str) -> None:
+    assert run(rollout_function_path=name).args.rollout_function_path == name
+    assert run("sft", rollout_function_path=name).args.rollout_function_path == name  # no hook: nothing to refuse
+
+
+def test_unknown_miles_rollout_path_is_refused() -> None:
+    message = rejected(rollout_function_path="miles.rollout.sglang_rollout.generate")
+    assert_names(message, "--rollout-function-path miles.rollout.sglang_rollout.generate (cli)", "not a miles rollout")
+
+
+@pytest.mark.parametrize(
+    ("job", "dest"),
+    [
+        ("sft", "rollout_function_path"),
+        ("replay", "rollout_function_path"),
+        ("dmd2", "rollout_function_path"),
+        ("rollout-only", "eval_function_path"),
+        ("dmd2", "custom_generate_function_path"),
+        ("sft", "custom_rollout_log_function_path"),
+        ("eval", "custom_rollout_log_function_path"),
+        ("rollout-only", "custom_eval_rollout_log_function_path"),
+        ("eval", "model_backend_path"),
+        ("rollout-only", "model_backend_path"),
+        ("eval", "sde_step_backend_path"),
+        ("sft", "sde_step_backend_path"),
+    ],
+)
+def test_hooks_refused_where_nothing_calls_them(job: str, dest: str) -> None:
+    message = rejected(job, **{dest: HOOK})
+    assert_names(message, f"--{dest.replace('_', '-')} {HOOK} (cli)", "applies to", "does not run")
+
+
+@pytest.mark.parametrize(
+    "dest",
+    [
+        "rollout_function_path",
+        "eval_function_path",
+        "custom_generate_function_path",
+        "custom_rollout_log_function_path",
+        "custom_eval_rollout_log_function_path",
+        "model_backend_path",
+        "sde_step_backend_path",
+    ],
+)
+def test_hooks_accepted_in_train_rl(dest: str) -> None:
+    assert getattr(run(rollout_backend="diffusers", **{dest: HOOK}).args, dest) == HOOK
+
+
+def test_buffer_filter_needs_a_data_source_that_fills_the_buffer() -> None:
+    message = rejected(buffer_filter_path=HOOK)
+    assert_names(message, f"--buffer-filter-path {HOOK} (cli)", "nothing puts groups back", "--data-source-path")
+    assert run(buffer_filter_path=HOOK, data_source_path="my_hooks.Source").args.buffer_filter_path == HOOK
+
+
+@pytest.mark.parametrize(("dest", "value"), [("sde_step_backend_path", HOOK), ("diffusion_log_prob_no_const", True)])
+def test_engine_side_log_prob_knobs_refused_on_sglang(dest: str, value: object) -> None:
+    message = rejected(rollout_backend="sglang", **{dest: value})
+    assert_names(message, "--rollout-backend sglang", "computes its own log-probs")
+    assert getattr(run(rollout_backend="diffusers", **{dest: value}).args, dest) == value
