@@ -5,7 +5,8 @@ Session fixtures (built once, reused by every test directory):
   tiny_sd3_dir         tiny-sd3 built once at $MILES_HOME/models/tiny-sd3, so
                        `ensure_checkpoint("tiny-sd3")` finds it too (treat it as read-only)
   tiny_sd3_pipeline    StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir) (read-only; copy to mutate)
-  tiny_flux_dir / tiny_qwen_image_dir   the other tiny families, built once the same way (read-only)
+  tiny_flux_dir / tiny_qwen_image_dir / tiny_wan2_2_dir   the other tiny families, built once the same way
+                       (read-only)
   digit_classifier     the checkpoint's digit classifier
   digits_split         the deterministic digits train/test split
   tiny_clip            a tiny random CLIP model + processor saved offline (PickScore's shape)
@@ -87,6 +88,18 @@ def tiny_qwen_image_dir(miles_session_home: Path) -> Path:
     from miles.models.checkpoints import ensure_checkpoint
 
     return ensure_checkpoint("tiny-qwen-image", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan2_2_dir(miles_session_home: Path) -> Path:
+    """tiny-wan2_2 with a short VAE fit (40 steps, about a fifth of the build): the tests need its layout, not
+    its reconstructions; the full build's reconstruction scores are an `extended` test."""
+    from miles.models.wan2_2.tiny import build_tiny_wan2_2
+
+    path = miles_session_home / "test-builds" / "tiny-wan2_2-vae40"
+    if not (path / "model_index.json").is_file():
+        build_tiny_wan2_2(path, progress=False, vae_steps=40)
+    return path
 
 
 @pytest.fixture(scope="session")

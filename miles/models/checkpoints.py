@@ -22,6 +22,7 @@ TINY_BUILDERS: dict[str, str] = {
     TINY_SD3_NAME: "miles.models.sd3.tiny:build_tiny_sd3",
     "tiny-flux": "miles.models.flux.tiny:build_tiny_flux",
     "tiny-qwen-image": "miles.models.qwen_image.tiny:build_tiny_qwen_image",
+    "tiny-wan2_2": "miles.models.wan2_2.tiny:build_tiny_wan2_2",
 }
 BUILTIN_MODELS = (*TINY_BUILDERS, *SFT_TEACHERS)
 

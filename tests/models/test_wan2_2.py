@@ -105,7 +105,7 @@ def test_noise_level_zero_reproduces_the_pipeline_with_both_experts(engine: Diff
     finally:
         pipe.scheduler = shipped
     ours = torch.stack([s.trajectory.latents[-1] for s in samples])
-    assert ours.shape == ref.shape == (2, pipe.vae.config.z_dim, 3, 8, 8)
+    assert ours.shape == ref.shape == (2, pipe.vae.config.z_dim, FRAMES, 16, 16)
     assert (ours - ref).abs().max().item() <= 1e-5
     got = torch.stack([s.image for s in samples])
     assert got.shape == (2, 3, FRAMES, 64, 64)

@@ -121,6 +121,30 @@ def score_and_save_classifier(out_dir: Path, recon_images: Any, test_labels: Any
     return meta, recon_accuracy
 
 
+def score_and_save_video_classifier(
+    out_dir: Path, recon_videos: Any, test_labels: Any, directions: list[str]
+) -> tuple[dict[str, Any], float, float]:
+    """Fit the VIDEO digit classifier (`fit_digit_classifier(video=True)`), save it under `out_dir`, and score a
+    video VAE's test reconstructions (`[N, 3, F, H, W]` in [-1, 1]): `(classifier metadata, per-frame digit
+    accuracy, direction accuracy)`; the direction is `track_direction` of each decoded video."""
+    import numpy as np
+
+    from miles.data.digits_video import track_direction
+    from miles.models import digit_classifier as digit
+
+    clf, meta = digit.fit_digit_classifier(video=True)
+    videos = recon_videos.detach().float().cpu().numpy()
+    frames = videos.shape[2]
+    features = digit.digits_to_features(digit.videos_to_digits(videos, "-1,1"))
+    frame_accuracy = float((clf.predict(features) == np.repeat(np.asarray(test_labels), frames)).mean())
+    tracked = [track_direction((v + 1.0) / 2.0) for v in videos]
+    direction_accuracy = float(np.mean([t == d for t, d in zip(tracked, directions, strict=True)]))
+    meta["vae_reconstruction_accuracy"] = frame_accuracy
+    meta["vae_direction_accuracy"] = direction_accuracy
+    digit.save_digit_classifier(clf, meta, out_dir / digit.CLASSIFIER_DIRNAME)
+    return meta, frame_accuracy, direction_accuracy
+
+
 @dataclass
 class DigitsImageVae:
     """The 8x AutoencoderKL of the image builds, fitted to the digits, and what its fit measured."""

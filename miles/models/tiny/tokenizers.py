@@ -119,19 +119,22 @@ def build_clip_tokenizer(max_length: int = CLIP_MAX_LENGTH):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
-def build_t5_tokenizer():
+def build_t5_tokenizer(extra_corpus: list[str] | None = None):
     """A `T5Tokenizer` (fast) over a hand-laid Unigram vocab; pad 0, eos 1, unk 2.
 
     Pieces: the specials, every corpus word as `▁word` (log-frequency score), then every printable
     ASCII character alone and with `▁` (a low score), so known words are one token and any ASCII
     text still tokenizes; then T5's `<extra_id_*>` sentinels.
+
+    `extra_corpus`: more lines whose words join the vocab (a video build adds its prompts); without it the
+    vocab is tiny-sd3's.
     """
     import math
     from collections import Counter
 
     from transformers import T5Tokenizer
 
-    counts = Counter(word for line in prompt_corpus() for word in line.split())
+    counts = Counter(word for line in (*prompt_corpus(), *(extra_corpus or ())) for word in line.split())
     total = sum(counts.values())
     pieces: list[tuple[str, float]] = [(tok, 0.0) for tok in T5_SPECIALS]
     pieces.append(("\u2581", -2.0))

@@ -36,9 +36,13 @@ def fit_vae(
     kl_weight: float = VAE_KL_WEIGHT,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    decode: Callable[[Any, Any], Any] | None = None,
 ) -> float:
     """Train `vae` in place on `images` (N, 3, H, W) in [-1, 1]: MSE + kl_weight * KL, AdamW with
-    warm-up then cosine decay, grad clip 1. Returns the last step's loss."""
+    warm-up then cosine decay, grad clip 1. Returns the last step's loss.
+
+    `decode(vae, z)`: the reconstruction the loss compares (default `vae.decode(z).sample`); a VAE whose
+    decode clamps to [-1, 1] passes its unclamped output, so pixels pushed past the range still get gradient."""
     import torch
     import torch.nn.functional as F
 
@@ -54,7 +58,7 @@ def fit_vae(
             batch = images[torch.randint(0, len(images), (batch_size,), generator=gen)]
             posterior = vae.encode(batch).latent_dist
             z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
-            recon = vae.decode(z).sample
+            recon = vae.decode(z).sample if decode is None else decode(vae, z)
             loss = F.mse_loss(recon, batch) + kl_weight * posterior.kl().mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -99,3 +103,29 @@ def reconstruct(vae: Any, images: Any, batch_size: int = 64) -> Any:
                 for i in range(0, len(images), batch_size)
             ]
         )
+
+
+# ---- video VAEs (per-channel latent statistics, moving digits) ------------------------------------
+def digit_videos_to_vae_input(x8: Any, num_frames: int | None = None) -> tuple[Any, list[str]]:
+    """(N, 8, 8) numpy digits in [0, 1] -> their moving videos, (N, 3, F, 64, 64) float32 in [-1, 1] (gray
+    replicated to RGB, a broadcast view), and each video's direction (DIRECTIONS in turn, by index, as the
+    video digit classifier is fitted)."""
+    import numpy as np
+    import torch
+
+    from miles.data.digits_video import DIRECTIONS, NUM_FRAMES, render_video
+
+    frames = num_frames or NUM_FRAMES
+    directions = [DIRECTIONS[i % len(DIRECTIONS)] for i in range(len(x8))]
+    gray = np.stack([render_video(x, d, frames) for x, d in zip(x8, directions, strict=True)])
+    return (torch.from_numpy(gray) * 2.0 - 1.0)[:, None].expand(-1, 3, -1, -1, -1), directions
+
+
+def set_latents_mean_std(vae: Any, videos: Any, batch_size: int = 64) -> tuple[list[float], list[float]]:
+    """Set a video VAE's per-channel `latents_mean` / `latents_std` (Wan / Qwen-Image convention) from the
+    posterior means of `videos`, so `(z - mean) / std` is zero-mean, unit-variance per channel on the data."""
+    latents = encode_mean(vae, videos, batch_size).double().transpose(0, 1).flatten(1)  # [z_dim, N * F * h * w]
+    mean = [round(float(v), 6) for v in latents.mean(dim=1)]
+    std = [round(float(v), 6) for v in latents.std(dim=1)]
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    return mean, std

@@ -1,0 +1,381 @@
+"""`build_tiny_wan2_2(out_dir, seed)`: Wan2.2-T2V-A14B's architecture at toy size, built fully offline from a seed.
+
+The result is a normal diffusers WanPipeline directory (`WanPipeline.from_pretrained(dir)` loads it, with both
+experts and `boundary_ratio`), plus:
+    digit_classifier/       the VIDEO digit classifier (`fit_digit_classifier(video=True)`: per frame, the digit
+                            cropped around its ink centroid; see miles.models.digit_classifier)
+    miles_tiny.json         metadata: max_sequence_length, resolution, num_frames, fps, VAE stats, the VAE's
+                            reconstruction scores (per-frame digit accuracy, direction accuracy), params, timings
+The directory appears atomically (built in a temp sibling, then renamed).
+
+Components (each initialised from its own seed; torch/diffusers/transformers are imported on use only):
+  tokenizer: tiny-sd3's offline T5 Unigram, its vocab extended by the moving-digit prompts' words
+      ("moving", "right", ...), so "the digit 7 moving left" is 6 tokens with </s>
+  text_encoder: UMT5EncoderModel, d_model 64 (= the experts' text_dim), 2 layers, 4 heads x 16
+  transformer / transformer_2: two WanTransformer3DModel experts of the same shape, each from its own seed
+      (transformer: high noise, t >= boundary_ratio * 1000; transformer_2: low noise); patch (1, 4, 4) over
+      the VAE's latents (144 tokens for 9 frames at 64 px); random (training learns them)
+  vae: AutoencoderKLWan at toy size, 4x spatial and 1x temporal (9 frames -> 9 latent frames of 16x16): 4x4
+      pixel patches (Wan2.2's `patch_size` option) and no down stage; fitted to moving digits of the train
+      split; per-channel latents_mean/latents_std set from the posterior means
+  scheduler: UniPCMultistepScheduler as Wan2.2-T2V-A14B-Diffusers ships it (flow prediction, flow sigmas,
+      flow_shift 12); miles' rollouts step Euler on the same shifted grid (`Wan22TrainPipelineConfig.schedule`)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miles.models.loading import quiet_loading
+from miles.models.tiny.build import (
+    BuildReport,
+    Progress,
+    build_atomically,
+    library_versions,
+    phase_timer,
+    score_and_save_video_classifier,
+)
+from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE
+
+__all__ = ["TINY_WAN2_2_NAME", "BuildReport", "build_tiny_wan2_2"]
+
+TINY_WAN2_2_NAME = "tiny-wan2_2"
+SGLANG_MODEL_ID = "Wan2.2-T2V-A14B-Diffusers"
+
+# text side
+TEXT_DIM = 64  # UMT5 d_model == the experts' text_dim
+TINY_WAN_MAX_SEQUENCE_LENGTH = 16  # UMT5 tokens; a moving-digit prompt needs 6 (with </s>)
+
+# experts (two of this shape)
+NUM_LAYERS = 2
+NUM_ATTENTION_HEADS = 4
+ATTENTION_HEAD_DIM = 16  # RoPE splits it (frame, row, col) = (8, 4, 4)
+FFN_DIM = 4 * NUM_ATTENTION_HEADS * ATTENTION_HEAD_DIM
+FREQ_DIM = 256  # the timestep's sinusoidal embedding (Wan's)
+PATCH_SIZE = (1, 4, 4)  # 4x4 latent cells per token: 16 tokens per latent frame at 64 px
+
+# the video VAE
+# 4x4 pixel patches (48 channels) and no down stage: 4x spatial, 1x temporal. A moving digit's pixel (a 4x4
+# block, moving 4 px a frame) is then one latent cell in every frame, which the fit learns in minutes; with
+# Wan2.2's own 8x spatial / 4x temporal the toy VAE read back 0.29 of the frames' digits after 240 steps
+# (a latent cell then holds 2x2 digit pixels over 4 frames of motion)
+LATENT_CHANNELS = 8  # z_dim == the experts' in/out channels
+VAE_BASE_DIM = 16
+VAE_PIXEL_PATCH = 4
+VAE_DIM_MULT = (1,)
+VAE_TEMPORAL_DOWNSAMPLE: tuple[bool, ...] = ()  # no down stage, so no temporal compression
+TEMPORAL_COMPRESSION = 2 ** sum(VAE_TEMPORAL_DOWNSAMPLE)
+SPATIAL_COMPRESSION = VAE_PIXEL_PATCH * 2 ** (len(VAE_DIM_MULT) - 1)
+VAE_STEPS = 300
+VAE_BATCH_SIZE = 8
+VAE_LR = 1e-2
+VAE_STATS_VIDEOS = 256  # train videos whose posterior means set latents_mean/latents_std
+# the posterior log-variance's initial bias: std ~0.05 instead of ~1, so the fit's sampled latents carry the
+# encoder's signal from the first step (with std 1 the noise swamps the ~0.2-scale means at init)
+VAE_INIT_LOGVAR = -6.0
+
+# the videos it is built for (miles.data.digits_video)
+RESOLUTION = 64
+NUM_FRAMES = 9
+FPS = 8
+LATENT_SIZE = RESOLUTION // SPATIAL_COMPRESSION
+LATENT_FRAMES = (NUM_FRAMES - 1) // TEMPORAL_COMPRESSION + 1
+
+BOUNDARY_RATIO = 0.875
+
+# component -> offset added to the build seed (seed * 1000 + offset), so each init is independent
+# of the others' order; the two experts get different seeds
+SEED_OFFSETS = {"text_encoder": 3, "transformer": 4, "vae": 5, "transformer_2": 6}
+
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers' scheduler config
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "flow_shift": 12.0,
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "predict_x0": True,
+    "lower_order_final": True,
+    "final_sigmas_type": "zero",
+    "timestep_spacing": "linspace",
+    "beta_schedule": "linear",
+    "beta_start": 0.0001,
+    "beta_end": 0.02,
+    "thresholding": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "disable_corrector": [],
+    "steps_offset": 0,
+}
+
+
+class _WanProgress(Progress):
+    label = TINY_WAN2_2_NAME
+
+
+def _seeded(seed: int, name: str) -> None:
+    import torch
+
+    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
+
+
+def video_prompts() -> list[str]:
+    """Every moving-digit prompt (digit x direction): the words the tokenizer's vocab adds."""
+    from miles.data.digits import NUM_LABELS
+    from miles.data.digits_video import DIRECTIONS, prompt_for
+
+    return [prompt_for(k, d) for k in range(NUM_LABELS) for d in DIRECTIONS]
+
+
+def make_tokenizer() -> Any:
+    """tiny-sd3's T5 tokenizer with the moving-digit prompts' words in its vocab."""
+    from miles.models.tiny.tokenizers import build_t5_tokenizer
+
+    return build_t5_tokenizer(extra_corpus=video_prompts())
+
+
+def make_text_encoder(seed: int, tokenizer: Any) -> Any:
+    """The tiny `UMT5EncoderModel` (WanPipeline uses its last hidden states, zero-padded past the prompt)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=TEXT_DIM,
+        d_kv=16,
+        d_ff=2 * TEXT_DIM,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        is_encoder_decoder=False,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+    _seeded(seed, "text_encoder")
+    return UMT5EncoderModel(config).eval()
+
+
+def make_transformer(seed: int, name: str = "transformer") -> Any:
+    """One tiny `WanTransformer3DModel` expert (random); `name` ("transformer" or "transformer_2") picks its seed."""
+    from diffusers import WanTransformer3DModel
+
+    _seeded(seed, name)
+    return WanTransformer3DModel(
+        patch_size=PATCH_SIZE,
+        num_attention_heads=NUM_ATTENTION_HEADS,
+        attention_head_dim=ATTENTION_HEAD_DIM,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        text_dim=TEXT_DIM,
+        freq_dim=FREQ_DIM,
+        ffn_dim=FFN_DIM,
+        num_layers=NUM_LAYERS,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    )
+
+
+def make_vae(seed: int) -> Any:
+    """The tiny `AutoencoderKLWan` (latents_mean/std are placeholders until `set_latents_mean_std`)."""
+    from diffusers import AutoencoderKLWan
+
+    _seeded(seed, "vae")
+    import torch
+
+    channels = 3 * VAE_PIXEL_PATCH**2 if VAE_PIXEL_PATCH > 1 else 3
+    vae = AutoencoderKLWan(
+        base_dim=VAE_BASE_DIM,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=list(VAE_DIM_MULT),
+        num_res_blocks=1,
+        temperal_downsample=list(VAE_TEMPORAL_DOWNSAMPLE),
+        latents_mean=[0.0] * LATENT_CHANNELS,
+        latents_std=[1.0] * LATENT_CHANNELS,
+        in_channels=channels,
+        out_channels=channels,
+        patch_size=VAE_PIXEL_PATCH if VAE_PIXEL_PATCH > 1 else None,
+        scale_factor_temporal=TEMPORAL_COMPRESSION,
+        scale_factor_spatial=SPATIAL_COMPRESSION,
+    )
+    with torch.no_grad():  # the posterior's log-variance channels start small (see VAE_INIT_LOGVAR)
+        vae.quant_conv.bias[LATENT_CHANNELS:] = VAE_INIT_LOGVAR
+    return vae
+
+
+def decode_unclamped(vae: Any, z: Any) -> Any:
+    """`vae.decode(z)` before its final clamp to [-1, 1] (the VAE fit's reconstruction).
+
+    Through the clamp, a pixel the decoder pushes below -1 gets no gradient: early in the fit the decoder
+    drives nearly every pixel (the digit's too) under -1 to match the black background, and the fit stalls
+    there. The decoder's per-latent-frame outputs are collected by a hook, then un-patched as `decode` does.
+    """
+    import torch
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    chunks: list[Any] = []
+    handle = vae.decoder.register_forward_hook(lambda module, args, out: chunks.append(out))
+    try:
+        vae.decode(z)
+    finally:
+        handle.remove()
+    out = torch.cat(chunks, dim=2)
+    return out if vae.config.patch_size is None else unpatchify(out, patch_size=vae.config.patch_size)
+
+
+def make_scheduler() -> Any:
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(**SCHEDULER_CONFIG)
+
+
+def count_params(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def build_tiny_wan2_2(
+    out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
+) -> BuildReport:
+    """Build tiny-wan2_2 into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
+    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
+
+
+def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    with _WanProgress(progress, vae_steps) as bar:
+        phase = phase_timer(timings, bar)
+        with phase("tokenizers"):
+            tokenizer = make_tokenizer()
+            prompt_tokens = max(len(tokenizer(p).input_ids) for p in video_prompts())
+            assert prompt_tokens <= TINY_WAN_MAX_SEQUENCE_LENGTH, prompt_tokens
+        with phase("text encoders"):
+            text_encoder = make_text_encoder(seed, tokenizer)
+        with phase("transformer"):
+            transformer = make_transformer(seed, "transformer")
+            transformer_2 = make_transformer(seed, "transformer_2")
+        with phase("data"):
+            import torch
+
+            from miles.data.digits import load_digits_split
+            from miles.models.tiny import vae_fit
+
+            split = load_digits_split()
+            train_videos, _ = vae_fit.digit_videos_to_vae_input(split.train_x, NUM_FRAMES)
+            test_videos, test_directions = vae_fit.digit_videos_to_vae_input(split.test_x, NUM_FRAMES)
+        with phase("vae fit", advance=False):
+            vae = make_vae(seed)
+            on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
+            vae_fit.fit_vae(
+                vae,
+                train_videos,
+                steps=vae_steps,
+                batch_size=VAE_BATCH_SIZE,
+                lr=VAE_LR,
+                seed=seed,
+                on_step=on_step,
+                decode=decode_unclamped,
+            )
+        with phase("vae stats"):
+            latents_mean, latents_std = vae_fit.set_latents_mean_std(vae, train_videos[:VAE_STATS_VIDEOS])
+            recon = vae_fit.reconstruct(vae, test_videos, batch_size=32)
+            vae_mse = float(torch.nn.functional.mse_loss(recon, test_videos))
+        with phase("classifier"):
+            clf_meta, frame_acc, direction_acc = score_and_save_video_classifier(
+                tmp, recon, split.test_y, test_directions
+            )
+        with phase("save"):
+            from diffusers import WanPipeline
+
+            pipe = WanPipeline(
+                tokenizer=tokenizer,
+                text_encoder=text_encoder,
+                vae=vae,
+                scheduler=make_scheduler(),
+                transformer=transformer,
+                transformer_2=transformer_2,
+                boundary_ratio=BOUNDARY_RATIO,
+            )
+            with quiet_loading():
+                pipe.save_pretrained(tmp)
+        params = {
+            "transformer": count_params(transformer),
+            "transformer_2": count_params(transformer_2),
+            "vae": count_params(vae),
+            "text_encoder": count_params(text_encoder),
+        }
+        report = BuildReport(
+            out_dir=tmp,
+            seconds=round(time.perf_counter() - start, 3),
+            phase_seconds=timings,
+            classifier_test_accuracy=clf_meta["test_accuracy"],
+            vae_test_mse=vae_mse,
+            vae_recon_accuracy=frame_acc,
+            params=params,
+        )
+        tokens = {"vocab_size": len(tokenizer), "digit_prompt_tokens": prompt_tokens}
+        vae_meta = {
+            "latents_mean": latents_mean,
+            "latents_std": latents_std,
+            "temporal_compression": TEMPORAL_COMPRESSION,
+            "spatial_compression": SPATIAL_COMPRESSION,
+            "fit_steps": vae_steps,
+            "batch_size": VAE_BATCH_SIZE,
+            "lr": VAE_LR,
+            "stats_videos": VAE_STATS_VIDEOS,
+            "test_mse": round(vae_mse, 6),
+            "test_reconstruction_accuracy": frame_acc,  # per frame (the video classifier on each decoded frame)
+            "test_direction_accuracy": direction_acc,  # track_direction(decoded) == the video's direction
+        }
+        _write_metadata(tmp, seed, tokens, vae_meta, report)
+        bar.describe("done")
+    return report
+
+
+def _write_metadata(
+    out: Path, seed: int, tokens: dict[str, int], vae_meta: dict[str, Any], report: BuildReport
+) -> None:
+    from miles.data.digits import SPLIT_SEED
+    from miles.data.digits_video import PROMPT_TEMPLATE
+
+    meta = {
+        "name": TINY_WAN2_2_NAME,
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "resolution": RESOLUTION,
+        "num_frames": NUM_FRAMES,
+        "fps": FPS,
+        "latent_size": LATENT_SIZE,
+        "latent_frames": LATENT_FRAMES,
+        "latent_channels": LATENT_CHANNELS,
+        "max_sequence_length": TINY_WAN_MAX_SEQUENCE_LENGTH,
+        "boundary_ratio": BOUNDARY_RATIO,
+        "flow_shift": SCHEDULER_CONFIG["flow_shift"],
+        "prompt_template": PROMPT_TEMPLATE,
+        "data": {"name": "digits-video", "split_seed": SPLIT_SEED},
+        "sglang_model_id": SGLANG_MODEL_ID,
+        "tokenizer": tokens,
+        "vae": vae_meta,
+        "digit_classifier": {
+            "path": "digit_classifier",
+            "input": "video",
+            "test_accuracy": report.classifier_test_accuracy,
+        },
+        "params": report.params,
+        "build_seconds": report.seconds,
+        "phase_seconds": report.phase_seconds,
+        "versions": library_versions(),
+    }
+    (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
