@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from miles.models.families import register_train_pipeline_config
 from miles.models.pipeline_config import TrainPipelineConfig
@@ -177,7 +177,9 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
 
     def latent_shape(self, pipe: Any, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
-        factor = spatial * 2  # the experts' 2x2 patches
+        experts = [getattr(pipe, n, None) for n in EXPERTS]
+        patch = next((tuple(e.config.patch_size) for e in experts if e is not None), (1, 2, 2))
+        factor = spatial * int(patch[1])  # whole patches of latent cells
         if height % factor or width % factor:
             raise ValueError(
                 f"--diffusion-height/--diffusion-width must be multiples of {factor} for model family "
@@ -238,6 +240,109 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
                 f"{res.show('diffusion_guidance_scale_2')}: wan2_2 runs CFG only when --diffusion-guidance-scale "
                 "is > 1 (as WanPipeline), so the low-noise scale would be ignored"
             )
+
+    # ---- sglang-diffusion adapter (`--rollout-backend sglang`; torch only when called) ------------
+    # sglang 0.5.23 serves Wan2.2 with its native pipeline (`--model-id`, `sglang_model_id`); its port of the
+    # DiT names the parameters its own way (`sglang_module`) and wraps no LoRA layer of the embedders
+    sglang_cpu_blocker = (
+        "its Wan DiT's LayerNormScaleShift norms call sgl_kernel's fused_norm_scale_shift_cpu op, absent from "
+        "sglang's CPU build"
+    )
+    sglang_text_length: ClassVar[int] = 512  # sglang pads Wan's UMT5 states to this many tokens, always
+    sglang_lora_excluded: ClassVar[tuple[str, ...]] = ("embedder",)  # sglang's `exclude_lora_layers` for Wan
+
+    def sglang_blocker(self, guidance_scale: float, true_cfg_scale: float | None, max_sequence_length: int) -> str:
+        """sglang zero-pads Wan's text states to 512 tokens whatever the request's `max_sequence_length`;
+        `WanPipeline` pads them to the checkpoint's length, and the DiT's cross-attention sees the padding
+        (its text projection maps zero rows to its bias), so at any other length neither branch is the
+        pipeline's."""
+        if max_sequence_length == self.sglang_text_length:
+            return ""
+        return (
+            f"sglang pads Wan's UMT5 states to {self.sglang_text_length} tokens whatever the request says, and this "
+            f"checkpoint's text length is {max_sequence_length}, so its cross-attention (both branches) would not "
+            "be WanPipeline's"
+        )
+
+    def sglang_sampling_params(self, max_sequence_length: int) -> dict[str, Any]:
+        """Tokenize at the checkpoint's text length (sglang truncates there; it pads to 512 regardless)."""
+        return {"max_sequence_length": int(max_sequence_length)}
+
+    def from_engine_latents(self, latents: Any, height: int, width: int) -> Any:
+        """sglang steps Wan's latents unpacked: `[T+1, C, f, h, w]` already (refused otherwise)."""
+        if latents.dim() != 5:
+            raise ValueError(
+                f"sglang returned Wan trajectory latents of shape {tuple(latents.shape)}; expected "
+                "[T+1, C, frames, h, w]"
+            )
+        return latents.float()
+
+    def from_engine_image(self, image: Any) -> Any:
+        """sglang's Wan output is a video `[3, F, H, W]` in [0, 1]; one frame is an image `[3, H, W]`, as
+        `decode_latents` gives it."""
+        image = image.float()
+        if image.dim() == 4 and image.shape[1] == 1:
+            return image[:, 0]
+        return image
+
+    def from_engine_conditions(
+        self, cond_kwargs: Mapping[str, Any], env: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The UMT5 states `[L, D]` (sglang's length, zero-padded) and nothing else the env holds."""
+        rows = super().from_engine_conditions(cond_kwargs, env)
+        missing = [k for k in self.condition_inputs if k not in rows]
+        if missing:
+            raise ValueError(f"sglang's Wan denoising_env has no {missing} (keys: {sorted(cond_kwargs)})")
+        return {k: rows[k] for k in self.condition_inputs}
+
+    def engine_module(self, module: str) -> tuple[str, list[str]]:
+        """One expert's module -> the name sglang's Wan DiT gives it (itself its only member)."""
+        return sglang_module(module), [module]
+
+    def to_engine_tensors(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """One expert's named tensors under sglang's names (nothing is fused; the names differ)."""
+        out: dict[str, Any] = {}
+        for name, tensor in tensors.items():
+            module, dot, leaf = name.rpartition(".")
+            out[f"{sglang_module(module)}{dot}{leaf}" if module else name] = tensor
+        return out
+
+
+# the module renames of sglang's port of the Wan DiT (a diffusers module suffix -> sglang's), per block first
+_SGLANG_BLOCK_RENAMES = (
+    ("attn1.to_out.0", "to_out"),
+    ("attn1.to_q", "to_q"),
+    ("attn1.to_k", "to_k"),
+    ("attn1.to_v", "to_v"),
+    ("attn1.norm_q", "norm_q"),
+    ("attn1.norm_k", "norm_k"),
+    ("attn2.to_out.0", "attn2.to_out"),
+    ("ffn.net.0.proj", "ffn.fc_in"),
+    ("ffn.net.2", "ffn.fc_out"),
+    ("norm2", "self_attn_residual_norm.norm"),
+)
+_SGLANG_TOP_RENAMES = {
+    "patch_embedding": "patch_embedding.proj",
+    "condition_embedder.time_embedder.linear_1": "condition_embedder.time_embedder.mlp.fc_in",
+    "condition_embedder.time_embedder.linear_2": "condition_embedder.time_embedder.mlp.fc_out",
+    "condition_embedder.time_proj": "condition_embedder.time_modulation.linear",
+    "condition_embedder.text_embedder.linear_1": "condition_embedder.text_embedder.fc_in",
+    "condition_embedder.text_embedder.linear_2": "condition_embedder.text_embedder.fc_out",
+}
+
+
+def sglang_module(module: str) -> str:
+    """A module of one Wan expert (diffusers' name, e.g. `blocks.3.attn1.to_q`) -> the name sglang 0.5.23's
+    Wan DiT gives it (`blocks.3.to_q`); other modules keep their names."""
+    if module in _SGLANG_TOP_RENAMES:
+        return _SGLANG_TOP_RENAMES[module]
+    head, _, rest = module.partition(".")
+    index, _, inner = rest.partition(".")
+    if head == "blocks" and index.isdigit():
+        for old, new in _SGLANG_BLOCK_RENAMES:
+            if inner == old:
+                return f"blocks.{index}.{new}"
+    return module
 
 
 def _boundary_config(checkpoint: Any) -> tuple[float | None, int]:

@@ -136,10 +136,13 @@ class SglangEngine:
         self._post("/resume_memory_occupation", {})
         return {"bytes": 0.0, "seconds": time.perf_counter() - start}
 
-    def update_weights_from_disk(self, model_path: str) -> float:
-        """Load `<model_path>/transformer/*.safetensors` into the served transformer; seconds it took."""
+    def update_weights_from_disk(self, model_path: str, targets: tuple[str, ...] = ("transformer",)) -> float:
+        """Load `<model_path>/<target>/*.safetensors` into each served module `targets` (the transformer; Wan2.2's
+        two experts at once); seconds it took."""
+        from miles.rollout.engines.sglang.sync import disk_update_body
+
         start = time.perf_counter()
-        self._post("/update_weights_from_disk", {"model_path": model_path, "target_modules": ["transformer"]})
+        self._post("/update_weights_from_disk", disk_update_body(model_path, tuple(targets)))
         return time.perf_counter() - start
 
     def update_weights_from_ipc(self, payload: str, lora_alpha: int | None = None) -> float:
@@ -157,42 +160,34 @@ class SglangEngine:
         self._post("/update_weights_from_tensor", body)
         return time.perf_counter() - start
 
-    def set_lora(self, path: str, nickname: str, lora_alpha: int) -> float:
-        """Activate the diffusers-format adapter at `path` on the transformer, merged into its weights."""
+    def set_lora(self, adapters: dict[str, tuple[str, int]], nickname: str) -> float:
+        """Activate the diffusers-format adapters `{target: (path, lora_alpha)}` (the transformer's; with
+        experts one per expert), merged into the weights (`sync.set_lora_body`)."""
+        from miles.rollout.engines.sglang.sync import set_lora_body
+
         start = time.perf_counter()
-        self._post(
-            "/v1/set_lora",
-            {
-                "lora_nickname": nickname,
-                "lora_path": path,
-                "target": "transformer",
-                "merge_mode": "merge",
-                "lora_alpha": int(lora_alpha),
-            },
-        )
+        self._post("/v1/set_lora", set_lora_body(adapters, nickname))
         return time.perf_counter() - start
 
-    def active_lora(self) -> list[dict[str, Any]]:
+    def active_lora(self, target: str = "transformer") -> list[dict[str, Any]]:
         resp = requests.get(self.spec.url + "/v1/list_loras", timeout=60)
         if resp.status_code != 200:
             return []
-        return list((resp.json().get("active") or {}).get("transformer") or [])
+        return list((resp.json().get("active") or {}).get(target) or [])
 
-    def verify_weights(self, expected_sha256: dict[str, str]) -> str:
-        """Ask the server to compare its live transformer tensors with `expected_sha256` (per tensor:
+    def verify_weights(self, expected_sha256: dict[str, str], target: str = "transformer") -> str:
+        """Ask the server to compare the live tensors of module `target` with `expected_sha256` (per tensor:
         dtype, shape and bytes); raises naming the tensors that differ."""
-        data = self._post(
-            "/update_weights_from_tensor_checker",
-            {"target_module": "transformer", "expected_named_tensors_sha256": expected_sha256},
-        )
+        from miles.rollout.engines.sglang.sync import checker_body
+
+        data = self._post("/update_weights_from_tensor_checker", checker_body(expected_sha256, target))
         return str(data.get("message", ""))
 
-    def weights_checksum(self) -> str:
-        resp = requests.post(
-            self.spec.url + "/get_weights_checksum", json={"module_names": ["transformer"]}, timeout=60
-        )
+    def weights_checksum(self, targets: tuple[str, ...] = ("transformer",)) -> str:
+        resp = requests.post(self.spec.url + "/get_weights_checksum", json={"module_names": list(targets)}, timeout=60)
         resp.raise_for_status()
-        return str(resp.json().get("transformer"))
+        data = resp.json()
+        return ",".join(str(data.get(t)) for t in targets)
 
 
 def _engine_env(args: Any, gpu_ids: list[int] | None = None) -> dict[str, str]:

@@ -15,6 +15,10 @@ turns it into the same `Sample`/`Trajectory`/`Conditions` the diffusers engine r
     denoising_env.pos/neg_cond_kwargs (+ guidance)              -> Conditions.positive / negative
                                                                    (`from_engine_conditions`)
     generated_output         [3, H, W] in [0, 1]                -> Sample.image (`from_engine_image`)
+                             (a video family's [3, F, H, W])
+
+A video family's requests carry `num_frames` and `fps`; a family with experts (Wan2.2) sends the low-noise
+expert's CFG scale as `extra_sampling_params.guidance_scale_2` and gets it back in `Conditions`.
 
 What differs per model family goes through its `TrainPipelineConfig` (`family`; None: the base adapter,
 which is SD3's): the guidance fields of the request (`sglang_request_fields`), the latent layout sglang
@@ -98,7 +102,9 @@ def rollout_payload(
         "rollout": not req.evaluation,
         "suppress_logs": True,
     }
+    payload.update(video_fields(req, adapter))
     extra = adapter.sglang_sampling_params(max_sequence_length) if max_sequence_length is not None else {}
+    extra = {**extra, **expert_sampling_params(req, adapter)}
     if extra:
         payload["extra_sampling_params"] = extra
     if req.evaluation:
@@ -115,6 +121,28 @@ def rollout_payload(
     if stochastic:
         payload["rollout_sde_step_indices"] = sorted(int(s) for s in steps)
     return payload
+
+
+def video_fields(req: GenerateRequest, adapter: TrainPipelineConfig) -> dict[str, int]:
+    """A video family's `num_frames` and `fps` (sglang's request fields; image pipelines ignore them). sglang
+    takes an integer frame rate: a fractional `--diffusion-fps` is left out (a text-to-video DiT does not see
+    it; it only names the rate of the files miles writes)."""
+    if not adapter.makes_video:
+        return {}
+    fields = {"num_frames": int(req.num_frames)}
+    if req.fps is not None and float(req.fps).is_integer():
+        fields["fps"] = int(req.fps)
+    return fields
+
+
+def expert_sampling_params(req: GenerateRequest, adapter: TrainPipelineConfig) -> dict[str, float]:
+    """A family with experts (Wan2.2) gets the low-noise expert's CFG scale as `guidance_scale_2` in
+    `extra_sampling_params`: sglang's Wan2.2 defaults it to 3.0, miles (as `guided_velocity`) to the
+    guidance scale."""
+    if not adapter.experts:
+        return {}
+    scale_2 = req.guidance_scale_2 if req.guidance_scale_2 is not None else req.guidance_scale
+    return {"guidance_scale_2": float(scale_2)}
 
 
 def decode_tensors(obj: Any) -> Any:
@@ -148,6 +176,7 @@ def samples_from_outputs(
 
     adapter = _adapter(family)
     cfg_scale = adapter.cfg_scale(req.guidance_scale, req.true_cfg_scale)
+    scale_2 = req.guidance_scale_2 if cfg_scale > 1.0 and adapter.experts else None  # as the diffusers engine
     m = len(req.seeds)
     if len(outputs) != m:
         raise ValueError(f"engine returned {len(outputs)} outputs for {m} seeds (prompt {req.prompt!r})")
@@ -182,7 +211,7 @@ def samples_from_outputs(
             req.sample(
                 b,
                 trajectory=trajectory,
-                conditions=Conditions(positive, negative, cfg_scale if cfg_scale > 1.0 else 1.0),
+                conditions=Conditions(positive, negative, cfg_scale if cfg_scale > 1.0 else 1.0, scale_2),
                 image=image,
                 inference_time_s=elapsed,
             )

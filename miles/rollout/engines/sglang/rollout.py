@@ -109,10 +109,11 @@ class SglangRollout:
         self.last_sync: tuple[str, Any] | None = None
         self.awaiting_sync: set[int] = set()  # restarted after an in-place sync: out of the router until the next
         self.sync_metrics: dict[str, float] = {}
-        self._base_sha: dict[str, str] | None = None
-        self._params: frozenset[str] | None = None
-        self._linears: frozenset[str] | None = None
-        self._base_dir: Path | None = None
+        # per synced module (the transformer; Wan2.2's two experts): base digests for LoRA, where those weights
+        # are, its parameter and linear-module names
+        self._base_sha: dict[str, dict[str, str]] = {}
+        self._base_dir: dict[str, Path] = {}
+        self._layouts: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
         self.router = MilesRouter(
             RouterConfig(
                 concurrency=int(args.sglang_server_concurrency),
@@ -299,6 +300,8 @@ class SglangRollout:
 
     # ---- weights ------------------------------------------------------------------------------
     def update_weights(self, state: dict[str, Any], version: int) -> int:
+        """Sync `state` (full weights or a LoRA payload; with experts, names start with the expert) to every
+        engine and verify every parameter of each synced module there."""
         from miles.models.lora_sync import is_lora_entry
         from miles.rollout.engines.sglang import sync as wsync
 
@@ -306,20 +309,40 @@ class SglangRollout:
         self._raise_failures()
         root = self.root / "weights"
         dtype = _dtype(self.args.diffusion_forward_dtype)
+        targets = wsync.sync_targets(self.family)
+        expected: dict[str, dict[str, str]] = {}
         if state and all(is_lora_entry(name) for name in state):
-            path, alpha = wsync.write_lora_adapter(state, root, version)
-            expected = wsync.lora_expected_sha256(
-                self._base_files(), self._lora_base_sha(), path, alpha, self._linear_names(), dtype, self.family
-            )
-            sync: tuple[str, Any] = ("lora", (str(path), f"miles-v{version}", alpha, expected))
+            if len(targets) == 1:
+                path, alpha = wsync.write_lora_adapter(state, root, version)
+                written = {targets[0]: (path, alpha)}
+            else:
+                written = wsync.write_expert_lora_adapters(state, root, version, targets)
+            for target, (path, alpha) in written.items():
+                expected[target] = wsync.lora_expected_sha256(
+                    self._base_files(target),
+                    self._lora_base_sha(target),
+                    path,
+                    alpha,
+                    self._linear_names(target),
+                    dtype,
+                    self.family,
+                )
+            adapters = {t: (str(path), alpha) for t, (path, alpha) in written.items()}
+            sync: tuple[str, Any] = ("lora", (adapters, f"miles-v{version}", expected))
         else:
-            path = wsync.write_transformer(state, root, version, dtype)
-            params = self._param_names()
-            expected = wsync.engine_sha256({k: v for k, v in state.items() if k in params}, dtype, self.family)
+            if len(targets) == 1:
+                path = wsync.write_transformer(state, root, version, dtype)
+            else:
+                path, _ = wsync.write_expert_weights(state, root, version, dtype, targets)
+            for target, tensors in wsync.split_targets(state, targets).items():
+                params = self._param_names(target)
+                expected[target] = wsync.engine_sha256(
+                    {k: v for k, v in tensors.items() if k in params}, dtype, self.family
+                )
+                # a later LoRA adapter is set on top of these weights
+                self._base_sha[target], self._base_dir[target] = expected[target], path / target
             sync = ("disk", (str(path), expected))
-            # a later LoRA adapter is set on top of these weights
-            self._base_sha, self._base_dir = expected, path / "transformer"
-        written = time.perf_counter()
+        written_at = time.perf_counter()
         verified = self._apply_sync(list(range(len(self.engines))), *sync)
         self.last_sync = sync
         checksums = self._checksums()
@@ -327,8 +350,8 @@ class SglangRollout:
             "sync/verified_tensors": float(verified),
             "sync/engines": float(len(self.engines)),
             "sync/engines_agree": float(len(set(checksums)) == 1),
-            "sync/write_time": written - start,
-            "sync/engine_time": time.perf_counter() - written,
+            "sync/write_time": written_at - start,
+            "sync/engine_time": time.perf_counter() - written_at,
         }
         return len(state)
 
@@ -352,68 +375,81 @@ class SglangRollout:
         }
 
     def _apply_sync(self, indices: list[int], kind: str, data: Any) -> int:
-        """Load one sync into the engines `indices` and verify every parameter of their transformers
-        bit for bit; returns the number of tensors verified per engine."""
+        """Load one sync into the engines `indices` and verify every parameter of each synced module bit for
+        bit; returns the number of tensors verified per engine."""
         import ray
 
         if kind == "disk":
             path, expected = data
-            ray.get([self.engines[i].update_weights_from_disk.remote(path) for i in indices])
+            targets = tuple(expected)
+            ray.get([self.engines[i].update_weights_from_disk.remote(path, targets) for i in indices])
         else:
-            path, nickname, alpha, expected = data
-            ray.get([self.engines[i].set_lora.remote(path, nickname, alpha) for i in indices])
+            adapters, nickname, expected = data
+            ray.get([self.engines[i].set_lora.remote(adapters, nickname) for i in indices])
             for i in indices:
-                active = ray.get(self.engines[i].active_lora.remote())
-                names = [a.get("nickname") for a in active]
-                if names != [nickname]:
-                    raise RolloutEngineError(
-                        f"{self._describe(i)} runs LoRA adapters {names} after set_lora, expected [{nickname!r}]"
-                    )
+                for target in adapters:
+                    active = ray.get(self.engines[i].active_lora.remote(target))
+                    names = [a.get("nickname") for a in active]
+                    want = nickname if list(adapters) == ["transformer"] else f"{nickname}-{target}"
+                    if names != [want]:
+                        raise RolloutEngineError(
+                            f"{self._describe(i)} runs LoRA adapters {names} on {target} after set_lora, "
+                            f"expected [{want!r}]"
+                        )
         try:
-            ray.get([self.engines[i].verify_weights.remote(expected) for i in indices])
+            ray.get(
+                [
+                    self.engines[i].verify_weights.remote(digests, target)
+                    for i in indices
+                    for target, digests in expected.items()
+                ]
+            )
         except Exception as exc:
             raise RolloutEngineError(f"weight sync verification failed: {_failure_line(exc)}") from None
-        return len(expected)
+        return sum(len(digests) for digests in expected.values())
 
-    def _base_files(self) -> list[Path]:
-        """The safetensors files of the weights a LoRA adapter goes on: the last full sync, else the checkpoint."""
-        if self._base_dir is None:
+    def _base_files(self, target: str = "transformer") -> list[Path]:
+        """The safetensors files of the weights a LoRA adapter goes on: the last full sync's, else the
+        checkpoint's (of module `target`)."""
+        if target not in self._base_dir:
             from miles.models.checkpoints import ensure_checkpoint
 
-            self._base_dir = Path(ensure_checkpoint(self.args.hf_checkpoint)) / "transformer"
-        return sorted(self._base_dir.glob("*.safetensors"))
+            self._base_dir[target] = Path(ensure_checkpoint(self.args.hf_checkpoint)) / target
+        return sorted(self._base_dir[target].glob("*.safetensors"))
 
-    def _lora_base_sha(self) -> dict[str, str]:
-        """Digests of the base parameters (sglang's names: plain, fused modules fused), read once from
-        `_base_files()`."""
-        if self._base_sha is None:
+    def _lora_base_sha(self, target: str = "transformer") -> dict[str, str]:
+        """Digests of module `target`'s base parameters (sglang's names: renamed, fused modules fused), read
+        once from `_base_files(target)`."""
+        if target not in self._base_sha:
             from miles.rollout.engines.sglang.sync import files_engine_sha256
 
             dtype = _dtype(self.args.diffusion_forward_dtype)
-            self._base_sha = files_engine_sha256(self._base_files(), self._param_names(), dtype, self.family)
-        return self._base_sha
+            self._base_sha[target] = files_engine_sha256(
+                self._base_files(target), self._param_names(target), dtype, self.family
+            )
+        return self._base_sha[target]
 
-    def _param_names(self) -> frozenset[str]:
-        self._load_param_layout()
-        assert self._params is not None
-        return self._params
+    def _param_names(self, target: str = "transformer") -> frozenset[str]:
+        return self._param_layout(target)[0]
 
-    def _linear_names(self) -> frozenset[str]:
-        self._load_param_layout()
-        assert self._linears is not None
-        return self._linears
+    def _linear_names(self, target: str = "transformer") -> frozenset[str]:
+        return self._param_layout(target)[1]
 
-    def _load_param_layout(self) -> None:
-        if self._params is None:
+    def _param_layout(self, target: str) -> tuple[frozenset[str], frozenset[str]]:
+        if target not in self._layouts:
             from miles.models.checkpoints import ensure_checkpoint
             from miles.rollout.engines.sglang.sync import transformer_layout
 
-            self._params, self._linears = transformer_layout(ensure_checkpoint(self.args.hf_checkpoint))
+            self._layouts[target] = transformer_layout(ensure_checkpoint(self.args.hf_checkpoint), target)
+        return self._layouts[target]
 
     def _checksums(self) -> list[str]:
         import ray
 
-        return ray.get([engine.weights_checksum.remote() for engine in self.engines])
+        from miles.rollout.engines.sglang.sync import sync_targets
+
+        targets = sync_targets(self.family)
+        return ray.get([engine.weights_checksum.remote(targets) for engine in self.engines])
 
 
 def _dtype(name: str) -> Any:

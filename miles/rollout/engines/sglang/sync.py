@@ -92,6 +92,7 @@ def files_engine_sha256(
         if family is not None:
             fused = {k for k in tensors if len(family.engine_module(k.rpartition(".")[0])[1]) > 1}
             pending.update({k: tensors.pop(k).to(dtype) for k in fused})
+            tensors = family.to_engine_tensors(tensors)  # sglang's names (Wan's port renames modules)
         digests.update(expected_sha256(tensors, dtype))
     if pending:
         digests.update(engine_sha256(pending, dtype, family))
@@ -152,8 +153,118 @@ def lora_merged_sha256(
         raise ValueError(f"LoRA adapter {source} adapts modules the transformer does not have: {missing[:5]}")
     merged = {name: tensor_sha256(t) for name, t in adapter.to_engine_tensors(weights).items()}
     digests = {**base_sha, **merged}
-    wrapped = lora_wrapped_names(digests, {adapter.engine_module(m)[0] for m in linears})
+    wrapped = lora_wrapped_names(digests, lora_wrapped_modules(linears, adapter))
     return {wrapped[name]: digest for name, digest in digests.items()}
+
+
+def lora_wrapped_modules(linears: Any, family: TrainPipelineConfig | None = None) -> set[str]:
+    """The linear modules (diffusers' names) sglang wraps in LoRA layers, under its names: all of them but
+    those whose name holds one of the family's `sglang_lora_excluded` parts (sglang's `exclude_lora_layers`:
+    Wan's embedders)."""
+    from miles.models.pipeline_config import TrainPipelineConfig
+
+    adapter = family if family is not None else TrainPipelineConfig()
+    excluded = tuple(getattr(adapter, "sglang_lora_excluded", ()))
+    names = {adapter.engine_module(m)[0] for m in linears}
+    return {name for name in names if not any(part in name for part in excluded)}
+
+
+# ---- experts: one served module per sync target (Wan2.2's transformer and transformer_2) ---------------
+def sync_targets(family: TrainPipelineConfig | None = None) -> tuple[str, ...]:
+    """The pipeline modules a sync writes, loads and verifies (`weight_sync_targets`; SD3's one transformer)."""
+    return tuple(family.weight_sync_targets) if family is not None else ("transformer",)
+
+
+def split_targets(state: dict[str, Any], targets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """A trainer state dict (or LoRA payload) -> its tensors per sync target, named as in that module. One
+    target: the names are already the module's. Several (experts): each name starts with `<target>.`."""
+    if len(targets) == 1:
+        return {targets[0]: dict(state)}
+    out: dict[str, dict[str, Any]] = {t: {} for t in targets}
+    for name, tensor in state.items():
+        target, _, rest = name.partition(".")
+        if target not in out or not rest:
+            raise KeyError(f"{name!r} belongs to no synced module {targets}")
+        out[target][rest] = tensor
+    return {t: tensors for t, tensors in out.items() if tensors}
+
+
+def write_expert_weights(
+    state: dict[str, torch.Tensor], root: Path, version: int, dtype: torch.dtype, targets: tuple[str, ...]
+) -> tuple[Path, tuple[str, ...]]:
+    """`write_transformer` for several targets: `<root>/v<version>/<target>/diffusion_pytorch_model.safetensors`
+    per target the state holds (`/update_weights_from_disk` reads that layout); (model path, the targets)."""
+    from safetensors.torch import save_file
+
+    parts = split_targets(state, targets)
+    final = root / f"v{version}"
+    tmp = root / f".v{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for target, tensors in parts.items():
+        (tmp / target).mkdir(parents=True)
+        cpu = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
+        save_file(cpu, str(tmp / target / WEIGHTS_FILE))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _prune(root, "v", version)
+    return final, tuple(parts)
+
+
+def write_expert_lora_adapters(
+    payload: dict[str, torch.Tensor], root: Path, version: int, targets: tuple[str, ...]
+) -> dict[str, tuple[Path, int]]:
+    """`write_lora_adapter` per target: `<root>/lora_v<version>/<target>.safetensors` (module names without
+    the target), each with its own `lora_alpha`; {target: (path, alpha)} for the targets the payload adapts."""
+    from safetensors.torch import save_file
+
+    final = root / f"lora_v{version}"
+    tmp = root / f".lora_v{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    alphas: dict[str, int] = {}
+    for target, part in split_targets(payload, targets).items():
+        pairs, alphas[target] = lora_adapter_pairs(part)
+        tensors: dict[str, Any] = {}
+        for m, (a, b) in pairs.items():
+            tensors[f"{m}.lora_A.weight"] = a.detach().float().cpu().contiguous()
+            tensors[f"{m}.lora_B.weight"] = b.detach().float().cpu().contiguous()
+        save_file(tensors, str(tmp / f"{target}.safetensors"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _prune(root, "lora_v", version)
+    return {t: (final / f"{t}.safetensors", alpha) for t, alpha in alphas.items()}
+
+
+def disk_update_body(model_path: str, targets: tuple[str, ...] = ("transformer",)) -> dict[str, Any]:
+    """The `/update_weights_from_disk` body: every target's subfolder of `model_path`, loaded at once."""
+    return {"model_path": model_path, "target_modules": list(targets)}
+
+
+def set_lora_body(adapters: dict[str, tuple[str, int]], nickname: str) -> dict[str, Any]:
+    """The `/v1/set_lora` body (merge mode) for `{target: (adapter path, lora_alpha)}`: one adapter on the
+    transformer as before; with experts one nickname per target (`<nickname>-<target>`), sglang's lists."""
+    if list(adapters) == ["transformer"]:
+        path, alpha = adapters["transformer"]
+        return {
+            "lora_nickname": nickname,
+            "lora_path": path,
+            "target": "transformer",
+            "merge_mode": "merge",
+            "lora_alpha": int(alpha),
+        }
+    targets = list(adapters)
+    return {
+        "lora_nickname": [f"{nickname}-{t}" for t in targets],
+        "lora_path": [adapters[t][0] for t in targets],
+        "target": targets,
+        "merge_mode": "merge",
+        "lora_alpha": [int(adapters[t][1]) for t in targets],
+    }
+
+
+def checker_body(expected: dict[str, str], target: str = "transformer") -> dict[str, Any]:
+    """The `/update_weights_from_tensor_checker` body for one module's digests (sglang's names)."""
+    return {"target_module": target, "expected_named_tensors_sha256": expected}
 
 
 def write_transformer(state: dict[str, torch.Tensor], root: Path, version: int, dtype: torch.dtype) -> Path:
@@ -226,8 +337,11 @@ def _prune(root: Path, prefix: str, version: int, suffix: str = "") -> None:
                 entry.unlink(missing_ok=True)
 
 
-def transformer_layout(checkpoint: str | Path) -> tuple[frozenset[str], frozenset[str]]:
-    """(parameter names, names of its nn.Linear modules) of the checkpoint's transformer, built on the
+def transformer_layout(
+    checkpoint: str | Path, subfolder: str = "transformer"
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(parameter names, names of its nn.Linear modules) of the checkpoint's transformer (or the module in
+    `subfolder`, e.g. Wan2.2's `transformer_2`), built on the
     meta device (no weights read). The checker compares parameters only (a state dict also holds
     buffers, e.g. SD3's `pos_embed.pos_embed`), and sglang's LoRA wraps exactly the linear modules."""
     import json
@@ -235,7 +349,7 @@ def transformer_layout(checkpoint: str | Path) -> tuple[frozenset[str], frozense
     import diffusers
     import torch
 
-    config_path = Path(checkpoint) / "transformer" / "config.json"
+    config_path = Path(checkpoint) / subfolder / "config.json"
     config = json.loads(config_path.read_text())
     cls = getattr(diffusers, config["_class_name"])
     with torch.device("meta"):
