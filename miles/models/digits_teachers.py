@@ -24,6 +24,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft-short": 525,
     "tiny-flux-digits-sft-short": 100,  # digit reward 0.33, where its SFT curve turns steep (0.75 at 125)
     "tiny-qwen-image-digits-sft-short": 150,  # digit reward 0.35 (0.21 at 100, 0.48 at 200)
+    "tiny-wan2_2-digits-sft-short": 250,
 }
 # name -> (the SFT recipe that makes it, its base checkpoint)
 TEACHER_SOURCES: dict[str, tuple[str, str]] = {
@@ -31,6 +32,7 @@ TEACHER_SOURCES: dict[str, tuple[str, str]] = {
     "tiny-sd3-digits-sft-short": ("tiny-digits-sft", "tiny-sd3"),
     "tiny-flux-digits-sft-short": ("tiny-flux-digits-sft", "tiny-flux"),
     "tiny-qwen-image-digits-sft-short": ("tiny-qwen-image-digits-sft", "tiny-qwen-image"),
+    "tiny-wan2_2-digits-sft-short": ("tiny-wan2_2-digits-sft", "tiny-wan2_2"),
 }
 STAMP_FILE = "digits_teacher.json"
 # what trains them sits above `miles.training` (it runs the Trainer): imported by path on first use

@@ -27,6 +27,10 @@ EXPECTED = {
     "tiny-qwen-image-digits-grpo",
     "qwen-image-pickscore-grpo",
     "flux-pickscore-grpo",
+    "tiny-wan2_2-digits-sft",
+    "tiny-wan2_2-digits-grpo",
+    "wan22-pickscore-grpo",
+    "wan22-lora-sft",
 }
 
 
@@ -133,6 +137,8 @@ def test_yaml_round_trip_of_eval_with_a_training_recipe(tmp_path: Path) -> None:
         ("tiny-qwen-image-digits-grpo", "qwen_image", 4.0),
         ("qwen-image-pickscore-grpo", "qwen_image", 4.0),
         ("flux-pickscore-grpo", "flux", 1.0),
+        ("tiny-wan2_2-digits-grpo", "wan2_2", 4.0),
+        ("wan22-pickscore-grpo", "wan2_2", 4.0),
     ],
 )
 def test_family_recipes_resolve_their_family_and_guidance(name: str, family: str, cfg: float) -> None:
@@ -143,3 +149,20 @@ def test_family_recipes_resolve_their_family_and_guidance(name: str, family: str
     config = resolve_family(args.hf_checkpoint, env={})
     assert config.name == family
     assert config.cfg_scale(args.diffusion_guidance_scale, args.diffusion_true_cfg_scale) == cfg
+
+
+@pytest.mark.parametrize(
+    ("name", "frames", "stride"),
+    [
+        ("tiny-wan2_2-digits-sft", 5, 2),
+        ("tiny-wan2_2-digits-grpo", 5, 1),
+        ("wan22-pickscore-grpo", 1, 1),
+        ("wan22-lora-sft", 81, 2),
+    ],
+)
+def test_wan_recipes_train_both_experts_on_frames(name: str, frames: int, stride: int) -> None:
+    args = resolve(None, recipe=name).args
+    assert list(args.update_weight_target_module) == ["transformer", "transformer_2"]
+    assert args.diffusion_output_num_frames == frames and args.sft_frame_stride == stride
+    if args.eval_prompt_data or name.endswith("grpo"):
+        assert args.diffusion_guidance_scale == 4.0 and args.diffusion_guidance_scale_2 == 3.0

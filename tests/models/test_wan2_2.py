@@ -46,6 +46,14 @@ SMALL = {
 }
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _args(checkpoint: Path, **cli):
     return resolve("rl", cli={**SMALL, "hf_checkpoint": str(checkpoint), **cli}).args
 
@@ -92,7 +100,9 @@ def test_noise_level_zero_reproduces_the_pipeline_with_both_experts(engine: Diff
             num_inference_steps=6,
             height=64,
             width=64,
-            num_frames=FRAMES,
+            # WanPipeline rounds a frame count F with F % factor != 1 to F // factor * factor + 1: at the tiny VAE's
+            # temporal factor 1 that turns 9 into 10, so 8 asks it for 9
+            num_frames=FRAMES - 1 if pipe.vae_scale_factor_temporal == 1 else FRAMES,
             num_videos_per_prompt=2,
             guidance_scale=4.0,
             guidance_scale_2=3.0,
@@ -165,8 +175,6 @@ def test_experts_route_each_row_and_guide_at_their_own_scale(engine: DiffusersEn
 
 
 def test_one_expert_trains_and_syncs_the_other_stays_bit_identical(tiny_wan2_2_dir: Path) -> None:
-    from trainer_helpers import free_port
-
     from miles.rollout.manager import RolloutManager
     from miles.training.trainer import Trainer
 
@@ -181,7 +189,7 @@ def test_one_expert_trains_and_syncs_the_other_stays_bit_identical(tiny_wan2_2_d
         assert drawn and drawn <= steps, (trained, drawn)  # SDE steps only where the trained expert denoises
         engine = manager.engines[0]
         before = {k: v.clone() for k, v in engine.transformer.state_dict().items()}
-        trainer = Trainer(args, master_port=free_port())
+        trainer = Trainer(args, master_port=_free_port())
         assert [n for n, _ in trainer.model.named_children()] == [trained]  # only the named expert is loaded
         metrics = trainer.train(0, batch.samples)
         assert metrics["grad_norm"] > 0
