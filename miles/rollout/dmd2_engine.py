@@ -137,7 +137,9 @@ def _run_batch(engine: Any, rows: list[tuple[GenerateRequest, int]]) -> list[Sam
         sigmas = torch.cat([ts / 1000.0, torch.zeros(1)])
         images = None
         trajectories = [
-            Trajectory(latents=latents[i], timesteps=ts.clone(), sigmas=sigmas.clone(), sde_type=FEW_STEP_SDE_TYPE)
+            Trajectory(
+                latents=latents[i].clone(), timesteps=ts.clone(), sigmas=sigmas.clone(), sde_type=FEW_STEP_SDE_TYPE
+            )
             for i in range(len(rows))
         ]
     elapsed = (time.perf_counter() - start) / len(rows)
@@ -148,7 +150,7 @@ def _run_batch(engine: Any, rows: list[tuple[GenerateRequest, int]]) -> list[Sam
                 b,
                 trajectory=trajectories[i],
                 conditions=None if stop_at is None else cond,
-                image=None if images is None else images[i],
+                image=None if images is None else images[i].clone(),  # not a view of the whole batch
                 inference_time_s=elapsed,
             )
         )

@@ -185,3 +185,46 @@ def test_subsample() -> None:
         subsample_rollout(rows, 0.05)
     with pytest.raises(ConfigError, match="must be in"):
         subsample_rollout(rows, 1.5)
+
+
+def test_engine_samples_own_their_tensors(tiny_sd3_dir) -> None:
+    """Each sample's latents and image have their own storage (not views of the microgroup's batch), so a
+    rollout file or a Ray hand-off carries one sample's bytes per sample, not the batch's."""
+    from miles.config.resolve import resolve
+    from miles.rollout.engines.base import GenerateRequest
+    from miles.rollout.engines.diffusers_engine import DiffusersEngine
+
+    args = resolve(
+        "rl",
+        cli={
+            "hf_checkpoint": str(tiny_sd3_dir),
+            "prompt_data": "digits:train",
+            "rm_type": "digit",
+            "rollout_batch_size": 1,
+            "n_samples_per_prompt": 4,
+            "diffusion_num_sde_steps": 1,
+            "actor_num_gpus_per_node": 1,
+            "num_gpus_per_node": 1,
+            "diffusion_height": 64,
+            "diffusion_width": 64,
+            "diffusion_debug_mode": True,
+        },
+    ).args
+    engine = DiffusersEngine(args, device="cpu")
+    request = GenerateRequest(
+        prompt="a handwritten digit 3",
+        metadata={},
+        group_index=0,
+        indices=[0, 1, 2, 3],
+        seeds=[1, 2, 3, 4],
+        sde_steps=[[0]] * 4,
+        num_steps=2,
+        guidance_scale=4.0,
+        noise_level=0.7,
+        sde_type="sde",
+        height=64,
+        width=64,
+    )
+    for sample in engine.generate([request]):
+        for tensor in (sample.image, sample.trajectory.latents, sample.trajectory.debug_model_outputs):
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

@@ -275,21 +275,21 @@ class DiffusersEngine:
             trajectory = None
             if stacked is not None:
                 trajectory = Trajectory(
-                    latents=stacked[b],
+                    latents=stacked[b].clone(),  # its own storage: a view would pickle the whole batch
                     timesteps=timesteps.clone(),
                     sigmas=sigmas.clone(),
                     sde_step_indices=sorted(sde_sets[b]) if log_probs[b] else [],
                     log_probs=torch.stack(log_probs[b]) if log_probs[b] else torch.zeros(0),
                     sde_type=req.sde_type,
                     noise_level=req.noise_level,
-                    debug_model_outputs=None if debug_outputs is None else debug_outputs[b],
+                    debug_model_outputs=None if debug_outputs is None else debug_outputs[b].clone(),
                 )
             samples.append(
                 owner.sample(
                     j,
                     trajectory=trajectory,
                     conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, stored_cfg, scale_2),
-                    image=images[b],
+                    image=images[b].clone(),
                     inference_time_s=elapsed / m,
                 )
             )
