@@ -38,7 +38,7 @@ def dashboard(
     info = read_run(run_dir)
     echo = typer.echo
     state = "finished" if "ended" in info else "running or stopped without closing"
-    recipe = f", recipe {info['recipe']}" if info.get("recipe") else ""
+    recipe = f", recipe {str(info['recipe']).removeprefix('recipe ')}" if info.get("recipe") else ""
     echo(f"run {run_dir}  (job {info.get('job', '?')}{recipe}; {state})")
     echo(f"wall {summary.wall:.2f}s over {summary.spans} spans")
     if len(runs) > 1:
