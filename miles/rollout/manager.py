@@ -102,6 +102,7 @@ def build_requests(
                     guidance_scale_2=None
                     if args.diffusion_guidance_scale_2 is None
                     else float(args.diffusion_guidance_scale_2),
+                    debug=bool(getattr(args, "diffusion_debug_mode", False)) and not evaluation,
                 )
             )
     return requests

@@ -324,3 +324,32 @@ def test_an_sde_response_without_log_probs_is_rejected() -> None:
     del out["rollout_log_probs"]
     with pytest.raises(ValueError, match="no rollout_log_probs for SDE steps"):
         parse_response(make_request(seeds=[1], indices=[0]), wire_body([out]))
+
+
+def test_debug_mode_asks_for_and_keeps_the_per_step_model_outputs() -> None:
+    """--diffusion-debug-mode: the request sets rollout_debug_mode, each sample keeps the engine's model output
+    of every step (`Trajectory.debug_model_outputs`, what train/model_output_*_abs_diff compare), and a
+    response without them is an error naming the flag instead of a silent drop."""
+    req = make_request(debug=True)
+    assert rollout_payload(req)["rollout_debug_mode"] is True
+    sent = [training_output(0), training_output(1)]
+    for b, out in enumerate(sent):
+        out["rollout_debug_tensors"] = {"rollout_model_outputs": torch.randn(T, C, LH, LW) + b}
+    samples = parse_response(req, wire_body(sent))
+    for sample, out in zip(samples, sent, strict=True):
+        assert torch.equal(
+            sample.trajectory.debug_model_outputs, out["rollout_debug_tensors"]["rollout_model_outputs"]
+        )
+    assert (
+        parse_response(make_request(), wire_body([training_output(0), training_output(1)]))[
+            0
+        ].trajectory.debug_model_outputs
+        is None
+    )
+    with pytest.raises(ValueError, match="--diffusion-debug-mode"):
+        parse_response(req, wire_body([training_output(0), training_output(1)]))
+    short = [training_output(0), training_output(1)]
+    for out in short:
+        out["rollout_debug_tensors"] = {"rollout_model_outputs": torch.randn(T - 1, C, LH, LW)}
+    with pytest.raises(ValueError, match="model outputs for 9 steps"):
+        parse_response(req, wire_body(short))

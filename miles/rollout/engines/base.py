@@ -37,6 +37,7 @@ class GenerateRequest:
     num_frames: int = 1  # --diffusion-output-num-frames (1: an image)
     fps: float | None = None  # --diffusion-fps (video only: the frame rate of the video files)
     guidance_scale_2: float | None = None  # --diffusion-guidance-scale-2 (Wan2.2's low-noise expert)
+    debug: bool = False  # --diffusion-debug-mode: return the model output of every step
 
     def __post_init__(self) -> None:
         m = len(self.seeds)

@@ -218,7 +218,7 @@ class DiffusersEngine:
         x = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
         record = not req.evaluation
         latents = [x] if record else []
-        debug = record and bool(getattr(self.args, "diffusion_debug_mode", False))
+        debug = record and (req.debug or bool(getattr(self.args, "diffusion_debug_mode", False)))
         outputs: list[torch.Tensor] = []
         sde_sets = [set(steps) for r in reqs for steps in r.sde_steps]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(m)]

@@ -114,7 +114,7 @@ def rollout_payload(
     payload.update(
         rollout_sde_type=req.sde_type if stochastic else "ode",
         rollout_noise_level=float(req.noise_level) if stochastic else 0.0,
-        rollout_debug_mode=False,
+        rollout_debug_mode=bool(req.debug),
         rollout_return_denoising_env=True,
         rollout_return_dit_trajectory=True,
     )
@@ -203,6 +203,7 @@ def samples_from_outputs(
             log_probs=log_probs if log_probs is not None else _empty(),
             sde_type=req.sde_type,
             noise_level=req.noise_level,
+            debug_model_outputs=_debug_outputs(adapter, req, out, num_steps) if req.debug else None,
         )
         env = out.get("denoising_env") or {}
         positive = _cond_rows(adapter, env, "pos_cond_kwargs")
@@ -217,6 +218,25 @@ def samples_from_outputs(
             )
         )
     return samples
+
+
+def _debug_outputs(adapter: TrainPipelineConfig, req: GenerateRequest, out: dict[str, Any], num_steps: int) -> Any:
+    """--diffusion-debug-mode: sglang's per-step model outputs (`rollout_debug_tensors.rollout_model_outputs`)
+    in the family's natural layout, `[T, *latent]`; a response without them is an error naming the flag."""
+    debug = out.get("rollout_debug_tensors") or {}
+    outputs = debug.get("rollout_model_outputs") if isinstance(debug, dict) else None
+    if outputs is None:
+        raise ValueError(
+            "--diffusion-debug-mode: the engine returned no rollout_debug_tensors.rollout_model_outputs "
+            f"(prompt {req.prompt!r})"
+        )
+    outputs = adapter.from_engine_latents(outputs.float(), req.height, req.width)
+    if outputs.shape[0] != num_steps:
+        raise ValueError(
+            f"--diffusion-debug-mode: the engine returned model outputs for {outputs.shape[0]} steps, the "
+            f"trajectory has {num_steps}"
+        )
+    return outputs.clone()
 
 
 def parse_response(req: GenerateRequest, body: bytes, family: TrainPipelineConfig | None = None) -> list[Sample]:
