@@ -23,7 +23,7 @@ from miles.models.sd3.config import SD3_LORA_TARGET_MODULES, SD3TrainPipelineCon
 
 def test_registered_keys():
     assert set(registered_families()) == {"sd3", "flux", "wan2_2", "qwen_image", "ltx", "cosmos3"}
-    assert trainable_families() == ("flux", "qwen_image", "sd3")
+    assert trainable_families() == ("flux", "qwen_image", "sd3", "wan2_2")
 
 
 @pytest.mark.parametrize(
@@ -189,8 +189,8 @@ def test_no_family_matches():
 @pytest.mark.parametrize(
     ("kwargs", "where"),
     [
-        ({"family": "wan2_2"}, "--diffusion-model-family wan2_2"),
-        ({"hf_checkpoint": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}, "--hf-checkpoint 'Wan-AI/Wan2.2-T2V-A14B-Diffusers'"),
+        ({"family": "cosmos3"}, "--diffusion-model-family cosmos3"),
+        ({"hf_checkpoint": "Lightricks/LTX-2"}, "--hf-checkpoint 'Lightricks/LTX-2'"),
         ({"env": {FAMILY_ENV: "cosmos3"}}, "MILES_DIFFUSION_MODEL_FAMILY=cosmos3"),
         ({"family": "ltx"}, "--diffusion-model-family ltx"),
     ],
@@ -200,7 +200,7 @@ def test_untrainable_family_is_a_config_error(kwargs, where):
     with pytest.raises(ConfigError, match="not trainable") as info:
         resolve_family(**kwargs)
     assert str(info.value).startswith(where)
-    assert "trainable families: flux, qwen_image, sd3" in str(info.value)
+    assert "trainable families: flux, qwen_image, sd3, wan2_2" in str(info.value)
     assert resolve_family(**kwargs, require_trainable=False).trainable is False
 
 
