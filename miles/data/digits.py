@@ -105,7 +105,7 @@ def digits_to_rgb_uint8(x8: np.ndarray, size: int = IMAGE_SIZE) -> np.ndarray:
     return np.repeat(gray[..., None], 3, axis=-1)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for row in rows:
@@ -120,7 +120,7 @@ def write_digits_data(out_dir: str | Path, seed: int = SPLIT_SEED) -> dict[str, 
     split = load_digits_split(seed)
     parts = {"train": (split.train_x, split.train_y), "test": (split.test_x, split.test_y)}
     for name, (x, y) in parts.items():
-        _write_jsonl(out / FILES[name], [{"input": prompt_for(k), "metadata": {"label": int(k)}} for k in y])
+        write_jsonl(out / FILES[name], [{"input": prompt_for(k), "metadata": {"label": int(k)}} for k in y])
         images = digits_to_rgb_uint8(x)
         rows = []
         for i, (img, k) in enumerate(zip(images, y, strict=True)):
@@ -128,9 +128,9 @@ def write_digits_data(out_dir: str | Path, seed: int = SPLIT_SEED) -> dict[str, 
             (out / "sft" / "images").mkdir(parents=True, exist_ok=True)
             Image.fromarray(img).save(out / "sft" / rel)
             rows.append({"image": rel, "input": prompt_for(k), "metadata": {"label": int(k)}})
-        _write_jsonl(out / FILES["sft" if name == "train" else "sft-test"], rows)
+        write_jsonl(out / FILES["sft" if name == "train" else "sft-test"], rows)
     label_rows = [{"input": prompt_for(k), "metadata": {"label": k}} for k in range(NUM_LABELS)]
-    _write_jsonl(out / FILES["labels"], label_rows)
+    write_jsonl(out / FILES["labels"], label_rows)
     manifest = {
         "format_version": FORMAT_VERSION,
         "source": "sklearn.datasets.load_digits",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from miles.data.digits import DIGIT_SIZE, SPLIT_SEED, load_digits_split, upsample_digits
+from miles.data.digits import DIGIT_SIZE, SPLIT_SEED, load_digits_split, upsample_digits, write_jsonl
 
 VIDEO_SIZE = 64
 NUM_FRAMES = 9
@@ -164,13 +164,6 @@ def video_to_rgb_uint8(gray: np.ndarray) -> np.ndarray:
     return np.repeat(frames[..., None], 3, axis=-1)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
 def write_digits_video_data(out_dir: str | Path, seed: int = SPLIT_SEED) -> dict[str, Path]:
     """Write the moving-digits prompt files and the SFT video+caption set into `out_dir`; return the paths."""
     from miles.io.video import encode_video
@@ -182,7 +175,7 @@ def write_digits_video_data(out_dir: str | Path, seed: int = SPLIT_SEED) -> dict
     for name, (x, y) in parts.items():
         directions = assign_directions(y)
         meta = [{"label": int(k), "direction": d} for k, d in zip(y, directions, strict=True)]
-        _write_jsonl(
+        write_jsonl(
             out / FILES[name], [{"input": prompt_for(m["label"], m["direction"]), "metadata": m} for m in meta]
         )
         rows = []
@@ -191,8 +184,8 @@ def write_digits_video_data(out_dir: str | Path, seed: int = SPLIT_SEED) -> dict
             frames = video_to_rgb_uint8(render_video(x8, m["direction"]))
             (out / "sft" / rel).write_bytes(encode_video(frames, "webp", fps=VIDEO_FPS))  # the folder is atomic
             rows.append({"video": rel, "input": prompt_for(m["label"], m["direction"]), "metadata": m})
-        _write_jsonl(out / FILES["sft" if name == "train" else "sft-test"], rows)
-    _write_jsonl(out / FILES["labels"], label_prompts())
+        write_jsonl(out / FILES["sft" if name == "train" else "sft-test"], rows)
+    write_jsonl(out / FILES["labels"], label_prompts())
     manifest = {
         "format_version": FORMAT_VERSION,
         "source": "sklearn.datasets.load_digits, moving (miles.data.digits_video.render_video)",
