@@ -151,7 +151,7 @@ def make_transformer(seed: int) -> Any:
 
 
 def make_vae(seed: int) -> Any:
-    """The tiny `AutoencoderKLQwenImage` (latents_mean/std are placeholders until `set_latent_statistics`)."""
+    """The tiny `AutoencoderKLQwenImage` (latents_mean/std are placeholders until `vae_fit.set_latents_mean_std`)."""
     from diffusers import AutoencoderKLQwenImage
 
     _seeded(seed, "vae")
@@ -218,18 +218,6 @@ def digits_to_video_input(x8: Any) -> Any:
     return digits_to_vae_input(x8)[:, :, None].contiguous()
 
 
-def set_latent_statistics(vae: Any, videos: Any) -> tuple[list[float], list[float]]:
-    """Set per-channel `latents_mean` / `latents_std` from the posterior means of `videos`, so the
-    pipeline's `(z - mean) / std` is zero-mean, unit-variance per channel on the data."""
-    from miles.models.tiny.vae_fit import encode_mean
-
-    latents = encode_mean(vae, videos).double().transpose(0, 1).flatten(1)  # [z_dim, N * F * h * w]
-    mean = [round(float(v), 6) for v in latents.mean(dim=1)]
-    std = [round(float(v), 6) for v in latents.std(dim=1)]
-    vae.register_to_config(latents_mean=mean, latents_std=std)
-    return mean, std
-
-
 def prompt_token_lengths(tokenizer: Any, prompts: list[str], template: str, drop: int) -> list[int]:
     """How many text tokens each prompt gives after the pipeline drops the template's first `drop` tokens."""
     return [len(tokenizer(template.format(p)).input_ids) - drop for p in prompts]
@@ -280,7 +268,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             with single_frame_convs(vae):
                 vae_fit.fit_vae(vae, train_videos, steps=vae_steps, seed=seed, on_step=on_step)
         with phase("vae stats"), single_frame_convs(vae):
-            latents_mean, latents_std = set_latent_statistics(vae, train_videos)
+            latents_mean, latents_std = vae_fit.set_latents_mean_std(vae, train_videos)
             recon = vae_fit.reconstruct(vae, test_videos)
             vae_mse = float(torch.nn.functional.mse_loss(recon, test_videos))
         with phase("classifier"):
