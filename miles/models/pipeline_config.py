@@ -215,6 +215,7 @@ class TrainPipelineConfig:
             return self.forward_velocity(transformer, latents, timestep, pos).float()
         if neg is None:
             raise ValueError(f"CFG at scale {cfg_scale} needs negative conditions")
+        scale = self.row_guidance(transformer, latents, timestep, cfg_scale, cfg_scale_2)
         if self.cfg_batching:
             import torch
 
@@ -226,7 +227,14 @@ class TrainPipelineConfig:
         else:
             v_pos = self.forward_velocity(transformer, latents, timestep, pos).float()
             v_neg = self.forward_velocity(transformer, latents, timestep, neg).float()
-        return self.cfg_combine(v_pos, v_neg, cfg_scale)
+        return self.cfg_combine(v_pos, v_neg, scale)
+
+    def row_guidance(
+        self, transformer: Any, latents: Any, timestep: Any, cfg_scale: float, cfg_scale_2: float | None
+    ) -> Any:
+        """The CFG scale `guided_velocity` combines with: a number, or a per-row tensor broadcastable to the
+        latents (a family with experts: each row at its expert's scale). Default: `cfg_scale`."""
+        return float(cfg_scale)
 
     def collate_conditions(self, rows: list[Mapping[str, Any]]) -> dict[str, Any]:
         """Batch per-sample condition rows (each without a batch dim). Default: stack (equal shapes)."""

@@ -140,36 +140,23 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         return {"encoder_hidden_states": pos}, ({"encoder_hidden_states": neg} if do_cfg else None)
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def guided_velocity(
-        self,
-        transformer: Any,
-        latents: Any,
-        timestep: Any,
-        pos: Mapping[str, Any],
-        neg: Mapping[str, Any] | None = None,
-        cfg_scale: float | None = None,
-        cfg_scale_2: float | None = None,
+    def row_guidance(
+        self, transformer: Any, latents: Any, timestep: Any, cfg_scale: float, cfg_scale_2: float | None
     ) -> Any:
-        """CFG when the first scale is > 1 (WanPipeline's rule), each row at its expert's scale: the first for
-        t >= the boundary, `cfg_scale_2` (default: the first) below it. Two forwards (pos, neg)."""
-        if cfg_scale is None or cfg_scale <= 1.0:
-            return self.forward_velocity(transformer, latents, timestep, pos).float()
-        if neg is None:
-            raise ValueError(f"CFG at scale {cfg_scale} needs negative conditions")
-        scale: Any = float(cfg_scale)
-        if cfg_scale_2 is not None:
-            import torch
+        """Each row at its expert's scale: `cfg_scale` for t >= the boundary, `cfg_scale_2` (default: the first)
+        below it. CFG itself runs when the first scale is > 1 (WanPipeline's rule, the base class's)."""
+        if cfg_scale_2 is None:
+            return float(cfg_scale)
+        import torch
 
-            boundary = getattr(transformer, "boundary_timestep", self.boundary)
-            high = timestep.reshape(-1) >= boundary
-            if not bool(high.any()):
-                scale = float(cfg_scale_2)
-            elif not bool(high.all()):
-                rows = torch.where(high, float(cfg_scale), float(cfg_scale_2)).to(torch.float32)
-                scale = rows.view(-1, *([1] * (latents.dim() - 1))).to(latents.device)
-        v_pos = self.forward_velocity(transformer, latents, timestep, pos).float()
-        v_neg = self.forward_velocity(transformer, latents, timestep, neg).float()
-        return self.cfg_combine(v_pos, v_neg, scale)
+        boundary = getattr(transformer, "boundary_timestep", self.boundary)
+        high = timestep.reshape(-1) >= boundary
+        if not bool(high.any()):
+            return float(cfg_scale_2)
+        if bool(high.all()):
+            return float(cfg_scale)
+        rows = torch.where(high, float(cfg_scale), float(cfg_scale_2)).to(torch.float32)
+        return rows.view(-1, *([1] * (latents.dim() - 1))).to(latents.device)
 
     # ---- the video VAE -------------------------------------------------------------------------------
     def latent_channels(self, pipe: Any) -> int:
