@@ -94,8 +94,15 @@ class EmaShadow:
             return self.decay_init
         return min((t - self.flat_steps) * self.decay_ramp, self.decay_max)
 
-    def _tracked(self, named_params: NamedParams) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    def _tracked(
+        self, named_params: NamedParams, module: torch.nn.Module | None = None
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         params = dict(named_params)
+        if module is not None:
+            # FSDP2: a reshard swaps the registered parameters (unsharded copies -> sharded ones) and frees the
+            # copies, so parameters collected before it (e.g. after a forward with no backward) are stale
+            current = dict(module.named_parameters())
+            params = {name: current.get(name, param) for name, param in params.items()}
         missing = [name for name in self.shadow if name not in params]
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -106,7 +113,7 @@ class EmaShadow:
     def update(self, named_params: NamedParams, module: torch.nn.Module | None = None) -> float:
         """One EMA step towards the current weights; returns the decay used."""
         _reshard(module)
-        tracked = self._tracked(named_params)
+        tracked = self._tracked(named_params, module)
         self.num_updates += 1
         decay = self.decay_at(self.num_updates)
         for _, param, shadow in tracked:
@@ -118,7 +125,7 @@ class EmaShadow:
         """Overwrite the parameters with the EMA weights (cast to each parameter's dtype). Under FSDP2 pass the
         wrapped `module` too, so its gathered parameter copies are dropped."""
         _reshard(module)
-        tracked = self._tracked(named_params)
+        tracked = self._tracked(named_params, module)
         for _, param, shadow in tracked:
             param.detach().copy_(shadow)
         _reshard(module)
@@ -129,7 +136,7 @@ class EmaShadow:
         the raw weights back bit for bit afterwards, even if the block raises. `module` (the FSDP2-wrapped model)
         is needed under FSDP2 only: see `_reshard`."""
         _reshard(module)
-        tracked = self._tracked(named_params)
+        tracked = self._tracked(named_params, module)
         with torch.no_grad():
             backup = [param.detach().clone() for _, param, _ in tracked]
             for _, param, shadow in tracked:

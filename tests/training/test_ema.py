@@ -199,3 +199,27 @@ def test_fsdp2_swap_update_and_clip_in_one_rank_gloo_group():
 
     done = subprocess.run([sys.executable, "-c", _FSDP2_SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "FSDP2 OK" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_nft_with_ema_and_no_optimizer_step_keeps_the_weights(tiny_sd3_dir, rollout):
+    """Regression: with no backward the root FSDP2 module stays unsharded after a forward, so the parameters the
+    trainer hands to the EMA swap were the gathered copies that the swap's reshard frees (a segfault)."""
+    from trainer_helpers import free_port, trainer_args
+
+    from miles.training.trainer import Trainer
+
+    trainer = Trainer(
+        trainer_args(tiny_sd3_dir, loss_type="nft", use_ema=True, debug_skip_optimizer_step=True),
+        master_port=free_port(),
+    )
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    before = {n: full(p).clone() for n, p in trainer._trainable_named()}
+    metrics = trainer.train(0, rollout[1].samples)
+    assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    after = dict(trainer._trainable_named())
+    assert all(torch.equal(before[n], full(after[n])) for n in before)
