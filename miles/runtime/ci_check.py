@@ -1,10 +1,11 @@
 """`--ci-test`: the CI metric check at the end of a job (used by tests/e2e, not meant for manual runs).
 
 With `--ci-test --ci-metric-checker-key KEY --ci-metric-checker-threshold X` the job's exit code says
-whether the last value of KEY logged to `<output-dir>/metrics.jsonl` reached the threshold: it passes when
+whether the last value of KEY this job logged to `<output-dir>/metrics.jsonl` reached the threshold: it passes when
 `value >= X` (a metric that must stay low, e.g. a loss, is checked through a metric that grows, or by a
 test reading metrics.jsonl itself). A value below X, a non-finite value, or a key that was never logged
-prints one line and exits 1. The config rules make the three flags go together.
+prints one line and exits 1. The config rules make the three flags go together. Only the rows the job itself
+appended count (`metrics_mark` at its start): a metric left in a reused output dir by an earlier run does not.
 """
 
 from __future__ import annotations
@@ -45,15 +46,31 @@ def check_metric(rows: list[dict[str, Any]], key: str, threshold: float) -> str 
     return None
 
 
-def ci_check(args: Any, out: str | Path) -> int:
-    """The job's exit code: 0 without --ci-test or when the check holds, else 1 (with one line on stderr)."""
+def metrics_mark(out: str | Path) -> int:
+    """The size of `<out>/metrics.jsonl` now (0 when absent): where the rows of a job starting now begin."""
+    path = Path(out) / "metrics.jsonl"
+    return path.stat().st_size if path.is_file() else 0
+
+
+def rows_since(path: Path, start: int) -> list[dict[str, Any]]:
+    """The metric rows written to `path` after byte `start`."""
+    import json
+
+    if not path.is_file():
+        return []
+    with path.open("rb") as f:
+        f.seek(start)
+        text = f.read().decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def ci_check(args: Any, out: str | Path, since: int = 0) -> int:
+    """The job's exit code: 0 without --ci-test or when the check holds, else 1 (with one line on stderr).
+    `since`: the `metrics_mark` taken when the job started (rows before it belong to earlier runs)."""
     if not getattr(args, "ci_test", False):
         return 0
-    from miles.io.metrics import read_metrics
-
     key, threshold = args.ci_metric_checker_key, float(args.ci_metric_checker_threshold)
-    path = Path(out) / "metrics.jsonl"
-    rows = read_metrics(path) if path.is_file() else []
+    rows = rows_since(Path(out) / "metrics.jsonl", since)
     failure = check_metric(rows, key, threshold)
     if failure is not None:
         print(f"miles: CI check failed: {failure}", file=sys.stderr, flush=True)

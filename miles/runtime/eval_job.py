@@ -44,4 +44,4 @@ def run(resolved: ResolvedJob) -> int:
         save_eval_grids(args, out, by_name)
     for key, value in sorted(metrics.items()):
         print(f"{key} = {value:.4f}")
-    return ci_check(args, out)
+    return ci_check(args, out, job.metrics_start)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.runtime.ci_check import metrics_mark
 from miles.runtime.output import prepare_inputs, prepare_output_dir
 from miles.runtime.ray_setup import init_ray
 
@@ -22,6 +23,7 @@ class JobSession:
     out: Path
     placement: RayPlacement
     manager: Any = None  # the rollout manager actor, for jobs with engines
+    metrics_start: int = 0  # bytes of <output-dir>/metrics.jsonl written before this job (a reused dir)
 
     def record_placement(self, groups: Sequence[Any] = ()) -> Path:
         """Check every actor against the plan and write `<output-dir>/placement.json` (once all are up)."""
@@ -57,7 +59,7 @@ def ray_job(
         print("miles: " + "\n".join(plan_lines(placement.plan, cpu_run=not placement.gpu_mode)), flush=True)
         if manager_class is not None:
             manager = manager_class().options(num_cpus=0).remote(args, None, True, placement)
-        yield JobSession(out, placement, manager)
+        yield JobSession(out, placement, manager, metrics_mark(out))
     finally:
         if manager is not None:
             with contextlib.suppress(Exception):

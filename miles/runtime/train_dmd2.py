@@ -113,7 +113,7 @@ def run(resolved: ResolvedJob) -> int:
             export_final(args, actor, "student")
         logger.close()
     print(f"miles: train dmd2 finished {num_rollout - start} iterations; metrics in {out / 'metrics.jsonl'}")
-    return ci_check(args, out)
+    return ci_check(args, out, job.metrics_start)
 
 
 def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int, phases: Any = None) -> dict[str, float]:

@@ -79,7 +79,7 @@ def run(resolved: ResolvedJob) -> int:
         logger.close()
         dash.close()
     print(f"miles: train rl finished {num_rollout - start} rollouts; metrics in {out / 'metrics.jsonl'}")
-    return ci_check(args, out)
+    return ci_check(args, out, job.metrics_start)
 
 
 def run_from_files(resolved: ResolvedJob, args: Any) -> int:
@@ -118,7 +118,7 @@ def run_from_files(resolved: ResolvedJob, args: Any) -> int:
         logger.close()
         dash.close()
     print(f"miles: train rl trained on {num_rollout - start} saved rollouts; metrics in {out / 'metrics.jsonl'}")
-    return ci_check(args, out)
+    return ci_check(args, out, job.metrics_start)
 
 
 def save_debug_data(args: Any, rollout_id: int, samples: list[Any], metrics: dict[str, float]) -> None:

@@ -113,7 +113,7 @@ def run(resolved: ResolvedJob) -> int:
             export_final(args, group)
         dash.close()
     print(f"miles: train sft finished {max(0, num_iters - first)} iterations; metrics in {job.out / 'metrics.jsonl'}")
-    return ci_check(args, job.out)
+    return ci_check(args, job.out, job.metrics_start)
 
 
 def _generator_state(generator: torch.Generator) -> str:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles.runtime.ci_check import check_metric, ci_check, last_value
+from miles.runtime.ci_check import check_metric, ci_check, last_value, metrics_mark
 
 ROWS = [
     {"rollout_id": 0, "train/loss": 0.9, "eval/d/accuracy": 0.2},
@@ -61,3 +61,20 @@ def test_ci_check_is_the_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "\n" not in err
     assert ci_check(_args(), tmp_path / "no-metrics") == 1  # no metrics.jsonl at all
     assert "never logged (nothing was logged)" in capsys.readouterr().err
+
+
+def test_only_the_rows_this_job_logged_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A reused output dir: an earlier run's passing value must not pass this run's check."""
+    out = _write(tmp_path / "run", ROWS)  # an earlier run logged accuracy 0.5
+    start = metrics_mark(out)
+    assert start == (out / "metrics.jsonl").stat().st_size and metrics_mark(tmp_path / "none") == 0
+    assert ci_check(_args(threshold=0.5), out, start) == 1  # this job logged nothing yet
+    assert "never logged (nothing was logged)" in capsys.readouterr().err
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"rollout_id": 0, "train/loss": 0.3}) + "\n")
+    assert ci_check(_args(threshold=0.5), out, start) == 1
+    assert "never logged (logged keys: train/loss)" in capsys.readouterr().err
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"rollout_id": 1, "eval/d/accuracy": 0.25}) + "\n")
+    assert ci_check(_args(threshold=0.2), out, start) == 0
+    assert ci_check(_args(threshold=0.5), out) == 1  # all rows: the last one (0.25) is below
