@@ -14,9 +14,16 @@ from miles.config.flags import closest
 
 # Server arguments miles sets itself for every engine it launches.
 MILES_OWNED = frozenset({"model_path", "host", "port", "base_gpu_id", "random_seed", "num_gpus"})
+# Server arguments miles sets from one of its flags, which also sets the trainer's side of the same thing.
+FROM_FLAG = {"flow_shift": "--diffusion-flow-shift"}
 
 
 def check_sglang_key(key: str, where: str) -> None:
+    if key in FROM_FLAG:
+        raise ConfigError(
+            f"{where}: --sglang-{key.replace('_', '-')} is set by miles from {FROM_FLAG[key]}, which the in-process "
+            f"engine and the trainer's schedule follow too; use {FROM_FLAG[key]}"
+        )
     if key in MILES_OWNED:
         raise ConfigError(f"{where}: --sglang-{key.replace('_', '-')} is set by miles itself for each engine")
     known = sglang_server_args()

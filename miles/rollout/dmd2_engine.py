@@ -26,7 +26,7 @@ import torch
 
 from miles.rollout.dmd2_sampler import backward_simulate, few_step_sample, x0_at
 from miles.rollout.engines.base import GenerateRequest
-from miles.rollout.seeds import cpu_generator
+from miles.rollout.seeds import draw_normal
 from miles.rollout.types import Conditions, Sample, Trajectory
 
 MAX_BATCH = 256
@@ -115,15 +115,15 @@ def _run_batch(engine: Any, rows: list[tuple[GenerateRequest, int]]) -> list[Sam
         for k, v in family.collate_conditions([c.positive for c in conds]).items()
     }
     shape = family.latent_shape(pipe, first.height, first.width, first.num_frames)
-    generators = [cpu_generator(req.seeds[b]) for req, b in rows]
-    noise = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
+    generators = engine.noise_generators([req.seeds[b] for req, b in rows])  # --diffusion-generator-device
+    noise = torch.stack([draw_normal(shape, g) for g in generators])
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         x_in, t_in = x.to(engine.device, engine.dtype), t.to(engine.device)
         return family.guided_velocity(engine.transformer, x_in, t_in, model_cond).cpu()
 
     def fresh_noise(_: torch.Size) -> torch.Tensor:
-        return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
+        return torch.stack([draw_normal(shape, g) for g in generators])
 
     if stop_at is None:
         x0 = few_step_sample(velocity, noise, timesteps, fresh_noise)

@@ -55,6 +55,8 @@ class Dmd2RolloutManager(RolloutManager):
         shards: list[list[Any]] = [[] for _ in self.engines]
         for i, request in enumerate(requests):
             shards[i % len(self.engines)].append(request)
+        if self.supervisor is not None:  # a dead engine's share re-sent after its restart (fault tolerance)
+            return self.supervisor.run(shards, "generate_few_step", split=False)
         if self.use_ray_engines:
             import ray
 

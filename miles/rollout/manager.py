@@ -121,6 +121,7 @@ class RolloutManager:
         self.strategy = resolve_step_strategy(args)
         self.use_ray_engines = use_ray_engines
         self.sglang: Any = None  # SglangRollout under --rollout-backend sglang
+        self.supervisor: Any = None  # EngineSupervisor of the diffusers engine actors (health, restarts)
         self.engines = engines if engines is not None else self._make_engines()
         if use_ray_engines:
             self._make_reward_pools()
@@ -148,6 +149,14 @@ class RolloutManager:
             return {"num_gpus": 0, "num_cpus": 0}
         return self.placement.options(self.placement.slots("engine")[i])
 
+    def engine_slot(self, i: int) -> str:
+        """Where engine i runs, for messages: "node 0, GPU 3" ("node 0, CPU" on a CPU cluster); "" without a plan."""
+        if self.placement is None:
+            return ""
+        slot = self.placement.slots("engine")[i]
+        gpus = self.placement.gpu_ids(slot)
+        return f"node {slot.node}, " + (f"GPU {','.join(str(g) for g in gpus)}" if gpus else "CPU")
+
     def _make_engines(self) -> list[Any]:
         from miles.placement.plan import num_engines
 
@@ -161,14 +170,11 @@ class RolloutManager:
             from miles.rollout.engines.diffusers_engine import DiffusersEngine
 
             return [DiffusersEngine(self.args) for _ in range(num)]
-        import ray
+        from miles.rollout.engines.supervisor import EngineSupervisor
 
-        from miles.rollout.engines.diffusers_engine import engine_actor_class
-
-        actor = engine_actor_class()
-        engines = [actor.options(**self.engine_options(i)).remote(self.args) for i in range(num)]
-        ray.get([e.health.remote() for e in engines])  # surface load errors here, naming the engine
-        return engines
+        # started and waited for (a load error names the engine), health-checked, restarted under fault tolerance
+        self.supervisor = EngineSupervisor(self.args, num, self.engine_options, self.engine_slot)
+        return self.supervisor.engines  # the supervisor's list: a restart replaces its entry
 
     # ---- offload between phases (--offload-rollout) --------------------------------------------
     def offload_engines(self) -> float:
@@ -182,7 +188,9 @@ class RolloutManager:
     def _engines_call(self, method: str) -> float:
         if self.sglang is not None:
             return float(getattr(self.sglang, method)())
-        if self.use_ray_engines:
+        if self.supervisor is not None:
+            results = self.supervisor.call_all(method)
+        elif self.use_ray_engines:
             import ray
 
             results = ray.get([getattr(e, method).remote() for e in self.engines])
@@ -197,6 +205,8 @@ class RolloutManager:
 
         if self.sglang is not None:
             engines = self.sglang.placement_info()
+        elif self.supervisor is not None:
+            engines = self.supervisor.call_all("placement_info")
         elif self.use_ray_engines:
             import ray
 
@@ -223,6 +233,11 @@ class RolloutManager:
         self._in_place_metrics: dict[str, float] = {}
         if self.sglang is not None:
             return self.sglang.update_weights(state, version)
+        if self.supervisor is not None:  # a dead engine is handled; under fault tolerance the state is kept
+            return self.supervisor.sync(self._push_weights, state, version)
+        return self._push_weights(state, version)
+
+    def _push_weights(self, state: dict[str, Any], version: int) -> int:
         chunks = chunk_state_dict(state, int(self.args.update_weight_buffer_size))
         sent = 0
         for chunk in chunks:
@@ -248,6 +263,8 @@ class RolloutManager:
         i * --rollout-num-gpus-per-engine feeds engine i); empty when the engines run in this process."""
         if self.sglang is not None:
             return list(self.sglang.engines)
+        if self.supervisor is not None:
+            self.supervisor.recover()  # a dead engine is restarted (or the error raised) before the trainer feeds it
         return list(self.engines) if self.use_ray_engines else []
 
     def in_place_engines(self) -> list[Any]:
@@ -260,21 +277,29 @@ class RolloutManager:
         keep its metrics for `sync_metrics`; sglang engines must also agree with each other."""
         if self.sglang is not None:
             self.sglang.in_place_synced(version, metrics)
+        if self.supervisor is not None:
+            self.supervisor.in_place_synced(version)
         self._in_place_metrics = dict(metrics)
 
     def engine_info(self) -> list[dict[str, Any]]:
-        """Per engine: url, pid, log, start seconds, restarts (sglang engines only)."""
+        """Per engine: url, pid, log, start seconds, restarts (sglang engines); pid and slot (diffusers actors)."""
+        if self.supervisor is not None:
+            return [{"pid": pid, "slot": self.engine_slot(i)} for i, pid in enumerate(self.supervisor.pids)]
         if self.sglang is None:
             return []
         return [dict(info) for info in self.sglang.infos]
 
     def restart_log(self) -> list[dict[str, Any]]:
+        if self.supervisor is not None:
+            return list(self.supervisor.restart_log)
         return list(self.sglang.restart_log) if self.sglang is not None else []
 
     def shutdown(self) -> None:
-        """Stop the engine servers (sglang) and the router."""
+        """Stop the engine servers (sglang) and the router, or the diffusers engines' health checks."""
         if self.sglang is not None:
             self.sglang.shutdown()
+        if self.supervisor is not None:
+            self.supervisor.shutdown()
 
     def engine_state_dict(self, index: int = 0) -> dict[str, Any]:
         engine = self.engines[index]
@@ -324,6 +349,8 @@ class RolloutManager:
         shards: list[list[GenerateRequest]] = [[] for _ in self.engines]
         for i, request in enumerate(requests):
             shards[i % len(self.engines)].append(request)
+        if self.supervisor is not None:  # one call per microgroup; a dead engine's unfinished ones re-sent
+            return self.supervisor.run(shards)
         if self.use_ray_engines:
             import ray
 
@@ -347,6 +374,8 @@ class RolloutManager:
             groups, hook_metrics = rollout_hooks.call_train_rollout(args, rollout_id, self.data_source)
         else:
             groups = self.data_source.get_samples(int(args.rollout_batch_size))
+            if self.supervisor is not None:
+                self.supervisor.inject_crash(rollout_id)  # --ci-test --use-fault-tolerance, rollout id >= 2
             if not hasattr(self, "_allowed_steps"):
                 self._allowed_steps = trained_expert_steps(args, int(args.diffusion_num_steps))
             requests = build_requests(args, groups, self.strategy, allowed_steps=self._allowed_steps)

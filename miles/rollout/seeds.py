@@ -66,6 +66,38 @@ def cpu_generator(seed: int) -> torch.Generator:
     return torch.Generator("cpu").manual_seed(int(seed))
 
 
+def noise_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A sample's generator on `device` (`--diffusion-generator-device`), seeded with `seed`. A CUDA
+    generator draws other numbers than a CPU one with the same seed (as in diffusers and sglang)."""
+    return torch.Generator(torch.device(device)).manual_seed(int(seed))
+
+
+def draw_normal(shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
+    """fp32 standard normal noise of `shape` drawn on the generator's device, returned on the CPU."""
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32, device=generator.device).cpu()
+
+
+def generator_device(name: str, engine_device: torch.device | str) -> torch.device:
+    """The device of an engine's noise generators for `--diffusion-generator-device` `name`: `cpu`, `cuda`
+    (the engine's own GPU when it runs on one, else the current CUDA device) or `cuda:N`. An engine process
+    without CUDA cannot hold a CUDA generator: that is an error naming the flag (the config rules refuse an
+    explicit `cuda` on a machine without GPUs and resolve the default to `cpu` there)."""
+    device = torch.device(name)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"--diffusion-generator-device {name}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"--diffusion-generator-device {name}: this engine process sees no CUDA device; "
+            "use --diffusion-generator-device cpu"
+        )
+    engine = torch.device(engine_device)
+    if device.index is None:
+        return engine if engine.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def initial_noise(
     seed: int,
     shape: Sequence[int],

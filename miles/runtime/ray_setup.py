@@ -16,8 +16,9 @@ def init_ray(args: Any) -> None:
     address = os.environ.get("RAY_ADDRESS")
     env_vars = {str(k): str(v) for k, v in (getattr(args, "train_env_vars", None) or {}).items()}
     env_vars.setdefault("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
-    if "MILES_HOME" in os.environ:
-        env_vars.setdefault("MILES_HOME", os.environ["MILES_HOME"])
+    for name in ("MILES_HOME", "MILES_HTTP_POST_ACTORS_PER_NODE"):  # read by actors (--use-distributed-post)
+        if name in os.environ:
+            env_vars.setdefault(name, os.environ[name])
     runtime_env = {"env_vars": env_vars}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)

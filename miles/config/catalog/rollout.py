@@ -124,7 +124,13 @@ FLAGS: list[Flag] = [
         False,
         "Drop the constant terms of the sde log-probs, in the engine and the trainer alike (cps has none).",
     ),
-    _f("diffusion-generator-device", STR, "cuda", "Device of the random generator used for sampling noise."),
+    _f(
+        "diffusion-generator-device",
+        STR,
+        "cuda",
+        "Device of the per-sample noise generators: cpu, cuda or cuda:N (the default resolves to cpu on a "
+        "machine without GPUs).",
+    ),
     _f(
         "rollout-patch-group",
         STR_LIST,
@@ -142,7 +148,8 @@ FLAGS: list[Flag] = [
         "update-weight-buffer-size",
         INT,
         512 * 1024 * 1024,
-        "Chunk size of the weight sync, in bytes.",
+        "Chunk size of the weight sync, in bytes: by-handle buckets, the shards an sglang engine loads from "
+        "disk, the chunks sent to diffusers engines.",
         min=1,
         meta={"default_text": "512 MiB"},
     ),
@@ -196,7 +203,8 @@ FLAGS: list[Flag] = [
         "use-distributed-post",
         BOOL,
         False,
-        "Send rollout HTTP requests through per-node Ray actors instead of the local client.",
+        "sglang engines: send the rollout HTTP POSTs from per-node Ray actors ($MILES_HTTP_POST_ACTORS_PER_NODE "
+        "each, default 1) instead of the local client.",
     ),
     _f(
         "use-miles-router",

@@ -6,7 +6,18 @@ naming the flags, their values and where they came from. They run in the order l
 
 from __future__ import annotations
 
-from miles.config.rules import algorithm, batch, data, engines, hooks, misc, optimizer, topology, training_backend
+from miles.config.rules import (
+    algorithm,
+    batch,
+    data,
+    engines,
+    fault_tolerance,
+    hooks,
+    misc,
+    optimizer,
+    topology,
+    training_backend,
+)
 
 SHARED_RULES = (
     *topology.RULES,
@@ -17,6 +28,7 @@ SHARED_RULES = (
     *data.RULES,
     *misc.RULES,
     *engines.RULES,
+    *fault_tolerance.RULES,
     *hooks.RULES,
     topology.check_placement,
 )

@@ -93,4 +93,93 @@ def _check_family_settings_on_sglang(res: Resolution) -> None:
         )
 
 
-RULES = (resolve_backend,)
+def resolve_generator_device(res: Resolution, job: JobSpec) -> None:
+    """--diffusion-generator-device is cpu, cuda or cuda:N. Its default (cuda, as in the reference) becomes cpu
+    on a machine without GPUs, where no engine can hold a CUDA generator (sglang's CPU build draws on the CPU
+    whatever the request says); an explicit cuda there is refused for a job that runs engines."""
+    from miles.rollout.engines.sglang.server import gpus_present
+
+    dest = "diffusion_generator_device"
+    value = str(res[dest]).strip()
+    kind, _, index = value.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        res.fail(f"{res.show(dest)}: expected cpu, cuda or cuda:N")
+    if kind != "cuda" or gpus_present():
+        return
+    if not res.explicit(dest):
+        res.derive(dest, "cpu")
+    elif job.generates or job.name == "eval" or res["eval_interval"] is not None:
+        res.fail(
+            f"{res.show(dest)}: a CUDA noise generator needs CUDA and this machine has no GPU; "
+            "use --diffusion-generator-device cpu"
+        )
+
+
+def check_distributed_post(res: Resolution, job: JobSpec) -> None:
+    """--use-distributed-post moves the HTTP POSTs to sglang engines into per-node Ray actors
+    ($MILES_HTTP_POST_ACTORS_PER_NODE each): it needs engines reached over HTTP."""
+    import os
+
+    from miles.rollout.engines.sglang.posting import actors_per_node
+
+    dest = "use_distributed_post"
+    if not res[dest]:
+        return
+    runs_engines = job.generates or job.name == "eval" or res["eval_interval"] is not None
+    if not runs_engines:
+        res.fail(f"{res.show(dest)}: `miles {job.command}` runs no rollout engines, so nothing is posted")
+    if res["rollout_backend"] != "sglang":
+        res.fail(
+            f"{res.show(dest)} applies to sglang engines only (their POSTs go through per-node Ray actors); "
+            f"{res.show('rollout_backend')} samples in-process, with no HTTP"
+        )
+    try:
+        actors_per_node(os.environ)
+    except ValueError as exc:
+        res.fail(f"{res.show(dest)}: {exc}")
+
+
+def check_weight_buffer(res: Resolution, job: JobSpec) -> None:
+    """--update-weight-buffer-size sizes the chunks of a weight sync: by-handle buckets under --colocate, the
+    shards an sglang engine loads from disk, the object-store chunks of the diffusers engines. LoRA on sglang
+    engines without --colocate is one adapter file per module through /v1/set_lora: no chunks to size."""
+    dest = "update_weight_buffer_size"
+    if not res.explicit(dest) or not job.trains or res["rollout_backend"] != "sglang":
+        return
+    if res["use_lora"] and not res["colocate"]:
+        res.fail(
+            f"{res.show(dest)}: with {res.show('use_lora')} on sglang engines without --colocate a sync is one "
+            "LoRA adapter file per module (/v1/set_lora), which has no chunks to size"
+        )
+
+
+# the reference's engine-side parity patches, by group: what each one aligns with the trainer's diffusers forward
+PATCH_GROUPS = {
+    "sgld": "sglang's RMSNorm / LayerNormScaleShift ops replaced by diffusers-equivalent arithmetic (Qwen-Image)",
+    "wan": "sglang's Wan norms and scale_shift_table arithmetic (with --sglang-attention-backend torch_sdpa)",
+    "ltx": "sglang's LTX-2 rollout conditioning kwargs and audio-video cross attention",
+}
+
+
+def check_patch_groups(res: Resolution, job: JobSpec) -> None:
+    """--rollout-patch-group: no group is applied by miles, so every value is refused with the reason. The
+    in-process engine runs the trainer's own diffusers forward (nothing to align: model_output diff 0.0), and
+    miles ships none of the reference's monkey patches of sglang's ops; on sglang the drift they would remove
+    is what --debug-skip-optimizer-step --diffusion-debug-mode measures."""
+    dest = "rollout_patch_group"
+    groups = [str(g).strip() for g in (res[dest] or []) if str(g).strip()]
+    if not groups:
+        return
+    if res["rollout_backend"] != "sglang":
+        res.fail(
+            f"{res.show(dest)}: patch groups align sglang engine ops with the trainer; the in-process engine "
+            f"({res.show('rollout_backend')}) runs the trainer's own forward, so there is nothing to patch"
+        )
+    shown = "; ".join(f"{g}: {PATCH_GROUPS.get(g, 'unknown group')}" for g in groups)
+    res.fail(
+        f"{res.show(dest)}: miles applies no engine-side parity patches to sglang ({shown}); measure the "
+        "train/rollout drift with --debug-skip-optimizer-step --diffusion-debug-mode instead"
+    )
+
+
+RULES = (resolve_backend, resolve_generator_device, check_distributed_post, check_weight_buffer, check_patch_groups)

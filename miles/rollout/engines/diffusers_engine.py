@@ -19,9 +19,10 @@ from miles.models.loading import quiet_loading
 from miles.models.lora_sync import LoraMerger, is_lora_entry
 from miles.models.tiny.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
+from miles.rollout.engines.engine_state import HEALTH_GROUP, RecoverableEngine
 from miles.rollout.sde import sde_step
 from miles.rollout.sde_backends import backend_step
-from miles.rollout.seeds import cpu_generator
+from miles.rollout.seeds import draw_normal, generator_device, noise_generator
 from miles.rollout.types import Conditions, Sample, Trajectory
 from miles.utils.offload import own_memory
 
@@ -76,6 +77,8 @@ class DiffusersEngine:
         )
         self.checkpoint = ensure_checkpoint(args.hf_checkpoint)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # initial and SDE noise are drawn by per-sample generators on --diffusion-generator-device
+        self.generator_device = generator_device(args.diffusion_generator_device, self.device)
         self.dtype = DTYPES[args.diffusion_forward_dtype]
         pipeline_cls = self.family.load_pipeline_class()
         with quiet_loading():
@@ -156,6 +159,10 @@ class DiffusersEngine:
         return actor_placement_info(str(self.device))
 
     # ---- sampling -------------------------------------------------------------------------------
+    def noise_generators(self, seeds: list[int]) -> list[torch.Generator]:
+        """One generator per sample seed, on `--diffusion-generator-device`."""
+        return [noise_generator(seed, self.generator_device) for seed in seeds]
+
     def _schedule(self, num_steps: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.family.schedule(self.pipe.scheduler, num_steps, shape, self.args.diffusion_flow_shift)
 
@@ -214,8 +221,8 @@ class DiffusersEngine:
 
         shape = family.latent_shape(pipe, req.height, req.width, req.num_frames)
         sigmas, timesteps = self._schedule(req.num_steps, shape)
-        generators = [cpu_generator(seed) for seed in seeds]
-        x = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
+        generators = self.noise_generators(seeds)
+        x = torch.stack([draw_normal(shape, g) for g in generators])
         record = not req.evaluation
         latents = [x] if record else []
         debug = record and (req.debug or bool(getattr(self.args, "diffusion_debug_mode", False)))
@@ -236,7 +243,7 @@ class DiffusersEngine:
             if rows:
                 noise = torch.zeros_like(x)
                 for b in rows:
-                    noise[b] = torch.randn(shape, generator=generators[b], dtype=torch.float32)
+                    noise[b] = draw_normal(shape, generators[b])
                 res = backend_step(  # --sde-step-backend-path / --diffusion-log-prob-no-const (sde_backends)
                     self.args,
                     v,
@@ -296,10 +303,11 @@ class DiffusersEngine:
         return samples
 
 
-class _EngineActor(DiffusersEngine):
+class _EngineActor(RecoverableEngine, DiffusersEngine):
     """The engine inside a Ray actor. Ray starts a zero-CPU actor with one intra-op thread; on a CPU
     machine generation and training take turns, so the engine takes every core while it runs (as
-    the trainer actors do)."""
+    the trainer actors do). Its "health" concurrency group answers health checks while it generates
+    (`miles.rollout.engines.engine_state`)."""
 
     def __init__(self, args: Any, device: str | None = None) -> None:
         import os
@@ -313,4 +321,4 @@ def engine_actor_class() -> Any:
     """The engine as a Ray actor class (Ray is imported only here)."""
     import ray
 
-    return ray.remote(_EngineActor)
+    return ray.remote(concurrency_groups={HEALTH_GROUP: 1})(_EngineActor)

@@ -16,6 +16,7 @@ from typing import Any
 import requests
 
 from miles.rollout.engines.sglang.protocol import engine_family
+from miles.rollout.engines.sglang.schedule import flow_shift_options
 from miles.rollout.engines.sglang.server import ServerSpec, SglangServer, server_precision
 
 
@@ -29,28 +30,10 @@ class SglangEngine:
     def __init__(
         self, args: Any, index: int, python: str, model_path: str, log_dir: str, gpu_ids: list[int] | None = None
     ) -> None:
-        from miles.rollout.engines.sglang.server import gpus_present
-
         self.args = args
         self.index = index
         self.name = f"engine {index}"
-        env = _engine_env(args, gpu_ids)
-        family = engine_family(args)
-        precision = server_precision(args.diffusion_forward_dtype)
-        self.spec = ServerSpec(
-            python=python,
-            model_path=model_path,
-            host=args.rollout_engine_host,
-            model_id=None if (args.sglang_args or {}).get("model_id") else family.sglang_model_id,
-            precision=args.diffusion_forward_dtype,
-            family_options=family.sglang_server_options(precision, float(args.diffusion_guidance_scale)),
-            num_gpus=int(args.rollout_num_gpus_per_engine),
-            warmup=(int(args.diffusion_width), int(args.diffusion_height)),
-            passthrough=dict(args.sglang_args or {}),
-            env=env,
-            sleep_on_idle=not gpus_present(),
-            name=self.name,
-        )
+        self.spec = server_spec(args, self.name, python, model_path, _engine_env(args, gpu_ids))
         self.server = SglangServer(self.spec, log_dir)
         self.restarts = 0
         self.start_seconds = self._launch()
@@ -188,6 +171,31 @@ class SglangEngine:
         resp.raise_for_status()
         data = resp.json()
         return ",".join(str(data.get(t)) for t in targets)
+
+
+def server_spec(args: Any, name: str, python: str, model_path: str, env: dict[str, str]) -> ServerSpec:
+    """What a job's engine server is started with (`server.py` lists what miles sets)."""
+    from miles.rollout.engines.sglang.server import gpus_present
+
+    family = engine_family(args)
+    precision = server_precision(args.diffusion_forward_dtype)
+    return ServerSpec(
+        python=python,
+        model_path=model_path,
+        host=args.rollout_engine_host,
+        model_id=None if (args.sglang_args or {}).get("model_id") else family.sglang_model_id,
+        precision=args.diffusion_forward_dtype,
+        family_options={
+            **family.sglang_server_options(precision, float(args.diffusion_guidance_scale)),
+            **flow_shift_options(args.diffusion_flow_shift),  # --flow-shift: the generation schedule's shift
+        },
+        num_gpus=int(args.rollout_num_gpus_per_engine),
+        warmup=(int(args.diffusion_width), int(args.diffusion_height)),
+        passthrough=dict(args.sglang_args or {}),
+        env=env,
+        sleep_on_idle=not gpus_present(),
+        name=name,
+    )
 
 
 def _engine_env(args: Any, gpu_ids: list[int] | None = None) -> dict[str, str]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from miles.config.errors import EngineFailure
 from miles.rollout.engines.base import GenerateRequest
+from miles.rollout.engines.sglang.posting import make_poster
 from miles.rollout.engines.sglang.protocol import (
     GENERATE_PATH,
     engine_family,
@@ -35,6 +36,7 @@ from miles.rollout.engines.sglang.protocol import (
     rollout_payload,
     server_requests,
 )
+from miles.rollout.engines.sglang.schedule import served_checkpoint
 from miles.rollout.types import Sample
 
 logger = logging.getLogger("miles.rollout.sglang")
@@ -76,6 +78,8 @@ class SglangRollout:
         model_path = str(ensure_checkpoint(args.hf_checkpoint))
         self.family = engine_family(args)  # what differs per family: payloads, parsing, weight layout
         self.max_sequence_length = max_sequence_length(model_path, default=self.family.max_sequence_length)
+        # --diffusion-flow-shift: the server samples a view whose scheduler config has the shift (`schedule.py`)
+        model_path = str(served_checkpoint(Path(model_path), args.diffusion_flow_shift, self.root))
         actor = engine_actor_class()
         self.engines = []
         for i in range(num):
@@ -133,6 +137,8 @@ class SglangRollout:
         parser = ray.remote(_Parser).options(num_cpus=0)
         self.parsers = [parser.remote(args) for _ in range(workers)]
         self._next_parser = 0
+        # who sends the POSTs: this process, or per-node Ray actors (--use-distributed-post, `posting.py`)
+        self.poster = make_poster(args, max_concurrency=int(args.sglang_server_concurrency) * len(self.engines))
 
     # ---- engines ------------------------------------------------------------------------------
     def _index_of(self, url: str) -> int | None:
@@ -227,6 +233,9 @@ class SglangRollout:
         router = getattr(self, "router", None)
         if router is not None:
             router.stop()
+        poster = getattr(self, "poster", None)
+        if poster is not None:
+            poster.shutdown()
         for engine in self.engines:
             with contextlib.suppress(Exception):
                 ray.get(engine.shutdown.remote(), timeout=30)
@@ -240,26 +249,22 @@ class SglangRollout:
         return samples
 
     async def _run(self, requests: list[GenerateRequest], score: bool) -> list[Sample]:
-        import aiohttp
-
         cap = int(self.args.sglang_server_concurrency) * len(self.engines)
         semaphore = asyncio.Semaphore(cap)
-        timeout = aiohttp.ClientTimeout(total=None)
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async with self.poster as client:
             tasks = [
-                self._one(session, semaphore, sub, score) for request in requests for sub in server_requests(request)
+                self._one(client, semaphore, sub, score) for request in requests for sub in server_requests(request)
             ]
             results = await asyncio.gather(*tasks)
         return [sample for result in results for sample in result]
 
-    async def _one(self, session: Any, semaphore: asyncio.Semaphore, request: GenerateRequest, score: bool) -> Any:
+    async def _one(self, client: Any, semaphore: asyncio.Semaphore, request: GenerateRequest, score: bool) -> Any:
         from miles.rollout.rm_hub.dispatch import score_samples
 
         payload = rollout_payload(request, self.args.diffusion_generator_device, self.family, self.max_sequence_length)
         url = self.router.url + GENERATE_PATH
         async with semaphore:
-            body = await self._post(session, url, payload, request)
+            body = await self._post(client, url, payload, request)
         parser = self.parsers[self._next_parser % len(self.parsers)]
         self._next_parser += 1
         samples = await parser.parse.remote(request, body)
@@ -267,15 +272,16 @@ class SglangRollout:
             await score_samples(self.args, samples)
         return samples
 
-    async def _post(self, session: Any, url: str, payload: dict[str, Any], request: GenerateRequest) -> bytes:
-        """POST through the router; while a restart is under way, wait for it instead of failing."""
+    async def _post(self, client: Any, url: str, payload: dict[str, Any], request: GenerateRequest) -> bytes:
+        """POST through the router (from `client`, a `posting` poster); while a restart is under way, wait for
+        it instead of failing."""
         deadline = time.monotonic() + float(self.args.sglang_start_timeout) + 60.0
         while True:
-            async with session.post(url, json=payload) as resp:
-                body = await resp.read()
-                if resp.status == 200:
-                    return body
-                engine = resp.headers.get("X-Miles-Engine", "the router")
+            resp = await client.post(url, payload)
+            body = resp.body
+            if resp.status == 200:
+                return body
+            engine = resp.engine or "the router"
             exited = await self._exited_engines()
             if self.args.use_fault_tolerance and time.monotonic() < deadline:
                 with self.lock:
@@ -329,11 +335,13 @@ class SglangRollout:
                 )
             adapters = {t: (str(path), alpha) for t, (path, alpha) in written.items()}
             sync: tuple[str, Any] = ("lora", (adapters, f"miles-v{version}", expected))
+            files = len(adapters)  # one adapter file per module
         else:
+            buffer_bytes = int(self.args.update_weight_buffer_size)  # the shard size of what the engines load
             if len(targets) == 1:
-                path = wsync.write_transformer(state, root, version, dtype)
+                path = wsync.write_transformer(state, root, version, dtype, buffer_bytes)
             else:
-                path, _ = wsync.write_expert_weights(state, root, version, dtype, targets)
+                path, _ = wsync.write_expert_weights(state, root, version, dtype, targets, buffer_bytes)
             for target, tensors in wsync.split_targets(state, targets).items():
                 params = self._param_names(target)
                 expected[target] = wsync.engine_sha256(
@@ -342,11 +350,13 @@ class SglangRollout:
                 # a later LoRA adapter is set on top of these weights
                 self._base_sha[target], self._base_dir[target] = expected[target], path / target
             sync = ("disk", (str(path), expected))
+            files = sum(len(list((path / target).glob("*.safetensors"))) for target in expected)
         written_at = time.perf_counter()
         verified = self._apply_sync(list(range(len(self.engines))), *sync)
         self.last_sync = sync
         checksums = self._checksums()
         self.sync_metrics = {
+            "sync/buckets": float(files),  # the files the engines loaded (full weights: shards of the buffer size)
             "sync/verified_tensors": float(verified),
             "sync/engines": float(len(self.engines)),
             "sync/engines_agree": float(len(set(checksums)) == 1),

@@ -1,7 +1,8 @@
 """Weight sync to sglang engines: what is written to disk and what the engines must then hold.
 
 Full weights go through `/update_weights_from_disk`: the state dict is written (atomically) as
-`<root>/v<version>/transformer/diffusion_pytorch_model.safetensors`, the layout that endpoint reads.
+`<root>/v<version>/transformer/diffusion_pytorch_model.safetensors`, the layout that endpoint reads, in
+shards of at most `--update-weight-buffer-size` bytes (with diffusers' index file) when it is larger.
 LoRA goes through `/v1/set_lora` as a diffusers-format (peft key style) adapter file, with peft's
 scaling given as `lora_alpha` (scaling * rank).
 
@@ -190,20 +191,22 @@ def split_targets(state: dict[str, Any], targets: tuple[str, ...]) -> dict[str, 
 
 
 def write_expert_weights(
-    state: dict[str, torch.Tensor], root: Path, version: int, dtype: torch.dtype, targets: tuple[str, ...]
+    state: dict[str, torch.Tensor],
+    root: Path,
+    version: int,
+    dtype: torch.dtype,
+    targets: tuple[str, ...],
+    buffer_bytes: int | None = None,
 ) -> tuple[Path, tuple[str, ...]]:
-    """`write_transformer` for several targets: `<root>/v<version>/<target>/diffusion_pytorch_model.safetensors`
-    per target the state holds (`/update_weights_from_disk` reads that layout); (model path, the targets)."""
-    from safetensors.torch import save_file
-
+    """`write_transformer` for several targets: `<root>/v<version>/<target>/` per target the state holds, each
+    in shards of at most `buffer_bytes` (`/update_weights_from_disk` reads that layout); (model path, the
+    targets)."""
     parts = split_targets(state, targets)
     final = root / f"v{version}"
     tmp = root / f".v{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     for target, tensors in parts.items():
-        (tmp / target).mkdir(parents=True)
-        cpu = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
-        save_file(cpu, str(tmp / target / WEIGHTS_FILE))
+        write_shards(tensors, tmp / target, dtype, buffer_bytes)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _prune(root, "v", version)
@@ -267,20 +270,64 @@ def checker_body(expected: dict[str, str], target: str = "transformer") -> dict[
     return {"target_module": target, "expected_named_tensors_sha256": expected}
 
 
-def write_transformer(state: dict[str, torch.Tensor], root: Path, version: int, dtype: torch.dtype) -> Path:
-    """Write the weights for `/update_weights_from_disk`; returns the model path to send."""
-    from safetensors.torch import save_file
-
+def write_transformer(
+    state: dict[str, torch.Tensor], root: Path, version: int, dtype: torch.dtype, buffer_bytes: int | None = None
+) -> Path:
+    """Write the weights for `/update_weights_from_disk` (in shards of at most `buffer_bytes`,
+    `write_shards`); returns the model path to send."""
     final = root / f"v{version}"
     tmp = root / f".v{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "transformer").mkdir(parents=True)
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
-    save_file(tensors, str(tmp / "transformer" / WEIGHTS_FILE))
+    write_shards(state, tmp / "transformer", dtype, buffer_bytes)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _prune(root, "v", version)
     return final
+
+
+def shard_plan(state: dict[str, torch.Tensor], dtype: torch.dtype, buffer_bytes: int | None) -> list[list[str]]:
+    """The names of `state` in shards of at most `buffer_bytes` once cast to `dtype`, in order (a larger tensor
+    makes a shard alone; None: one shard)."""
+    shards: list[list[str]] = []
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * dtype.itemsize
+        if not shards or (buffer_bytes is not None and size + nbytes > buffer_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_shards(
+    state: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype, buffer_bytes: int | None = None
+) -> list[int]:
+    """Write one module's tensors, cast to `dtype`, as `diffusion_pytorch_model.safetensors`, or, when they
+    exceed `buffer_bytes` (`--update-weight-buffer-size`), as shards `diffusion_pytorch_model-0000k-of-0000n.
+    safetensors` of at most that many bytes each with the index diffusers and sglang read
+    (`diffusion_pytorch_model.safetensors.index.json`). One shard is cast and held at a time, and sglang's
+    `/update_weights_from_disk` loads them one file at a time. Returns the bytes of tensor data per shard."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = shard_plan(state, dtype, buffer_bytes) or [[]]
+    stem, _, suffix = WEIGHTS_FILE.partition(".")
+    sizes: list[int] = []
+    weight_map: dict[str, str] = {}
+    for k, names in enumerate(plan, start=1):
+        file = WEIGHTS_FILE if len(plan) == 1 else f"{stem}-{k:05d}-of-{len(plan):05d}.{suffix}"
+        shard = {name: state[name].detach().to("cpu", dtype).contiguous() for name in names}
+        save_file(shard, str(folder / file))
+        sizes.append(sum(t.numel() * t.element_size() for t in shard.values()))
+        weight_map.update(dict.fromkeys(names, file))
+        del shard
+    if len(plan) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (folder / f"{WEIGHTS_FILE}.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return sizes
 
 
 def lora_adapter_pairs(payload: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:

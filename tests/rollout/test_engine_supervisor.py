@@ -1,0 +1,191 @@
+"""`EngineSupervisor` on real Ray with a stand-in engine actor (no model: seconds, not minutes).
+
+The stand-in answers like a diffusers engine actor (status on its "health" thread, generate, weight
+pushes, digest) and misbehaves on cue, through files in a directory every incarnation of it reads:
+`hang` (the process whose pid it holds stops answering, health checks included), `die` (it exits in
+every generate call), `forget` (it drops pushed weights). Covered: a hung engine killed by the health
+checks, restarted under fault tolerance or one error without; an engine that dies on every attempt; a
+restart whose weights do not verify; an engine dead before a weight sync.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from miles.rollout.engines.base import GenerateRequest
+from miles.rollout.engines.supervisor import DiffusersEngineError, EngineSupervisor
+
+pytestmark = pytest.mark.slow
+
+
+def _stand_in_class() -> type:
+    """A class made here, not at module level: Ray's workers cannot import a test module, so it travels by
+    value."""
+
+    class StandIn:
+        def __init__(self, args: Any) -> None:
+            self.cues = Path(args.cues)
+            self.weights: dict[str, Any] = {"w": torch.tensor(0.0)}
+            self.version = 0
+
+        def _cue(self, name: str) -> bool:
+            return (self.cues / name).exists()
+
+        def _hangs(self) -> bool:
+            path = self.cues / "hang"
+            return path.exists() and path.read_text() == str(os.getpid())
+
+        def status(self) -> dict[str, Any]:
+            while self._hangs():
+                time.sleep(0.05)
+            return {"pid": os.getpid(), "weight_version": self.version}
+
+        def generate(self, requests: list[GenerateRequest]) -> list[dict[str, Any]]:
+            if self._cue("die"):
+                os._exit(1)
+            while self._hangs():
+                time.sleep(0.05)
+            time.sleep(0.2)
+            return [{"seed": s, "version": self.version, "w": self.weights["w"]} for r in requests for s in r.seeds]
+
+        def update_weights(self, state: dict[str, Any], version: int) -> int:
+            if not self._cue("forget"):
+                self.weights.update({k: float(v) for k, v in state.items()})
+                self.version = version
+            return len(state)
+
+        def weights_digest(self) -> dict[str, Any]:
+            sha = hashlib.sha256(repr(sorted(self.weights.items())).encode()).hexdigest()
+            return {"sha256": sha, "version": self.version, "tensors": len(self.weights)}
+
+    return StandIn
+
+
+@pytest.fixture(scope="module")
+def actor_class(local_ray: Any) -> Any:
+    return local_ray.remote(concurrency_groups={"health": 1})(_stand_in_class())
+
+
+def _args(cues: Path, fault_tolerance: bool, **changes: Any) -> SimpleNamespace:
+    args = SimpleNamespace(
+        cues=str(cues),
+        use_fault_tolerance=fault_tolerance,
+        rollout_health_check_interval=0.3,
+        rollout_health_check_timeout=1.0,
+        rollout_health_check_first_wait=0.0,
+        rollout_microgroup_size=2,
+        update_weight_buffer_size=1 << 20,
+        ci_test=False,
+    )
+    vars(args).update(changes)
+    return args
+
+
+def _supervisor(actor_class: Any, args: SimpleNamespace, num: int = 2) -> EngineSupervisor:
+    return EngineSupervisor(args, num, lambda i: {"num_cpus": 0}, lambda i: "node 0, CPU", actor_class=actor_class)
+
+
+def _shards(num_engines: int, calls_per_engine: int) -> list[list[GenerateRequest]]:
+    def request(k: int) -> GenerateRequest:
+        return GenerateRequest(
+            "p", {}, k, [2 * k, 2 * k + 1], [100 + 2 * k, 101 + 2 * k], [[], []], 4, 1.0, 0.0, "ode", 8, 8
+        )
+
+    return [[request(e * calls_per_engine + c) for c in range(calls_per_engine)] for e in range(num_engines)]
+
+
+def _seeds(results: list[dict[str, Any]]) -> list[int]:
+    return [r["seed"] for r in results]
+
+
+def _push(sup: EngineSupervisor):
+    import ray
+
+    def push(state: dict[str, Any], version: int) -> int:
+        return sum(ray.get([e.update_weights.remote(state, version) for e in sup.engines]))
+
+    return push
+
+
+def test_a_hung_engine_is_killed_by_the_health_checks_and_restarted(actor_class: Any, tmp_path: Path) -> None:
+    sup = _supervisor(actor_class, _args(tmp_path, True))
+    try:
+        sup.sync(_push(sup), {"w": torch.tensor(3.0)}, 1)
+        (tmp_path / "hang").write_text(str(sup.pids[0]))
+        shards = _shards(2, 3)
+        start = time.monotonic()
+        results = sup.run(shards)
+        assert time.monotonic() - start < 30
+        assert _seeds(results) == [s for shard in shards for r in shard for s in r.seeds]
+        assert all(r["version"] == 1 and r["w"] == 3.0 for r in results)  # served with the re-pushed weights
+        assert [entry["engine"] for entry in sup.restart_log] == [0]
+        assert sup.restart_log[0]["reason"].startswith("no answer to a health check within 1 s")
+    finally:
+        sup.shutdown()
+
+
+def test_without_fault_tolerance_a_hung_engine_is_one_error(actor_class: Any, tmp_path: Path) -> None:
+    sup = _supervisor(actor_class, _args(tmp_path, False), num=1)
+    try:
+        (tmp_path / "hang").write_text(str(sup.pids[0]))
+        with pytest.raises(DiffusersEngineError) as excinfo:
+            sup.run(_shards(1, 2))
+        message = str(excinfo.value)
+        assert message.startswith(f"diffusers engine 0 (node 0, CPU, pid {sup.pids[0]}) failed: no answer to a health")
+        assert "within 1 s (--rollout-health-check-timeout)" in message and "--use-fault-tolerance" in message
+    finally:
+        (tmp_path / "hang").unlink(missing_ok=True)
+        sup.shutdown()
+
+
+def test_an_engine_that_dies_on_every_attempt_gives_up_the_run(actor_class: Any, tmp_path: Path) -> None:
+    sup = _supervisor(actor_class, _args(tmp_path, True, rollout_health_check_interval=0), num=1)
+    try:
+        (tmp_path / "die").touch()
+        with pytest.raises(DiffusersEngineError, match=r"diffusers engine 0 .* failed again after 3 restarts"):
+            sup.run(_shards(1, 2))
+        assert len(sup.restart_log) == 3
+    finally:
+        (tmp_path / "die").unlink(missing_ok=True)
+        sup.shutdown()
+
+
+def test_a_restart_that_does_not_restore_the_synced_weights_is_an_error(actor_class: Any, tmp_path: Path) -> None:
+    import ray
+
+    sup = _supervisor(actor_class, _args(tmp_path, True, rollout_health_check_interval=0), num=1)
+    try:
+        push = _push(sup)
+        sup.sync(push, {"w": torch.tensor(5.0)}, 7)
+        (tmp_path / "forget").touch()
+        ray.kill(sup.engines[0], no_restart=True)
+        with pytest.raises(DiffusersEngineError, match=r"does not hold the weights of the last sync: version 0 .*"):
+            sup.run(_shards(1, 1))
+    finally:
+        (tmp_path / "forget").unlink(missing_ok=True)
+        sup.shutdown()
+
+
+def test_an_engine_dead_before_a_weight_sync_is_restarted_and_synced(actor_class: Any, tmp_path: Path) -> None:
+    import ray
+
+    sup = _supervisor(actor_class, _args(tmp_path, True, rollout_health_check_interval=0))
+    try:
+        push = _push(sup)
+        sup.sync(push, {"w": torch.tensor(1.0)}, 1)
+        ray.kill(sup.engines[1], no_restart=True)
+        sup.sync(push, {"w": torch.tensor(2.0)}, 2)
+        assert [entry["engine"] for entry in sup.restart_log] == [1]
+        assert sup.restart_log[0]["reason"].startswith("its actor died")
+        digests = ray.get([e.weights_digest.remote() for e in sup.engines])
+        assert [d["version"] for d in digests] == [2, 2] and digests[0]["sha256"] == digests[1]["sha256"]
+    finally:
+        sup.shutdown()
