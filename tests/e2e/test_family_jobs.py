@@ -15,7 +15,9 @@ from miles.io.metrics import read_metrics
 from miles.io.rollout_file import load_rollout
 from miles_cli.main import main
 
-pytestmark = pytest.mark.slow
+# ~3 min of jobs: the families' engines, recompute and trainers are tested in tests/models/test_family_engines.py
+# and tests/models/test_families.py; these whole-CLI runs are acceptance-style
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 FAMILIES = {"flux": "tiny_flux_dir", "qwen_image": "tiny_qwen_image_dir"}
 RECIPES = {"flux": "tiny-flux-digits-grpo", "qwen_image": "tiny-qwen-image-digits-grpo"}

@@ -60,6 +60,8 @@ def test_train_rl_completes_when_ci_fault_injection_kills_an_engine(tiny_sd3_dir
     assert "CI check passed: rollout/num_samples = 8" in text
 
 
+# extended: ~35 s; tests/rollout/test_engine_fault_tolerance.py checks the same error line on the engine actors
+@pytest.mark.extended
 def test_a_killed_engine_without_fault_tolerance_is_one_error_naming_it(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["rollout-only", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir), *SMALL]

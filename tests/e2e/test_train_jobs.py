@@ -76,6 +76,9 @@ def test_train_rl_frozen_weights_recompute_matches_the_rollout(tiny_sd3_dir: Pat
     assert "rollout/reward/raw_mean" in only[0] and not any(k.startswith("train/") for k in only[0])
 
 
+# extended (~70 s): tests/training/test_trainer.py round-trips a checkpoint, and
+# tests/e2e/test_sft_resume.py resumes a job through the same layout
+@pytest.mark.extended
 def test_resume_reproduces_an_uninterrupted_run(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     common = ["--deterministic-mode", "--lr", "1e-3", "--num-rollout", "3", "--save-interval", "2"]
     straight = _rl(tiny_sd3_dir, tmp_path / "straight", *common, "--save", str(tmp_path / "ck1"))

@@ -42,6 +42,8 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "engines" not in p.parts}
 
 
+# extended: ~55 s; tests/sglang/test_sglang_engines.py checks the sample contract against the diffusers engine
+@pytest.mark.extended
 def test_rollout_only_writes_the_same_files_on_both_backends(diffusers_rollouts, tmp_path: Path) -> None:
     runs = {"diffusers": diffusers_rollouts.out}  # the same job on the in-process engine (tests/conftest.py)
     argv = ["rollout-only", *diffusers_rollouts.flags, "--rollout-backend", "sglang"]
@@ -64,6 +66,8 @@ def test_rollout_only_writes_the_same_files_on_both_backends(diffusers_rollouts,
     assert all("rollout/reward/raw_mean" in keys for keys in names)
 
 
+# extended: ~65 s; LoRA sync: test_sglang_engines.py (set_lora) and test_sglang_in_place_sync.py (by handle)
+@pytest.mark.extended
 def test_train_rl_with_lora_syncs_verified_adapters(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir), *SMALL]

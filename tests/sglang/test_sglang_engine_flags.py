@@ -129,6 +129,8 @@ def test_a_full_sync_is_loaded_in_buffer_sized_shards(sd3: RolloutManager, tiny_
     assert len(list(written.glob("diffusion_pytorch_model-*-of-00006.safetensors"))) == 6
 
 
+# extended: ~35 s (a second server); tests/rollout/test_sglang_flow_shift.py checks flux's served scheduler view
+@pytest.mark.extended
 def test_flux_dynamic_shift_is_replaced_on_the_server(tiny_flux_dir: Path, tmp_path: Path, local_ray: Any) -> None:
     manager = _manager("tiny-flux-digits-grpo", tiny_flux_dir, tmp_path, diffusion_true_cfg_scale=1.0)
     try:
