@@ -183,7 +183,7 @@ def test_subsample() -> None:
     assert subsample_rollout(rows, 0.6, group_size=2) == [0, 1, 6, 7, 8, 9]
     with pytest.raises(ConfigError, match="keeps none"):
         subsample_rollout(rows, 0.05)
-    with pytest.raises(ConfigError, match="must be in"):
+    with pytest.raises(ConfigError, match=r"^--load-debug-rollout-data-subsample must be in \(0, 1\], got 1.5$"):
         subsample_rollout(rows, 1.5)
 
 
