@@ -416,19 +416,10 @@ class RolloutManager:
 
 def chunk_state_dict(state: dict[str, Any], buffer_bytes: int) -> list[dict[str, Any]]:
     """Split a state dict into chunks of at most `buffer_bytes` (a larger tensor travels alone)."""
-    chunks: list[dict[str, Any]] = []
-    current: dict[str, Any] = {}
-    size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > buffer_bytes:
-            chunks.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += nbytes
-    if current:
-        chunks.append(current)
-    return chunks
+    from miles.utils.buckets import cut_by_bytes
+
+    sizes = ((name, t.numel() * t.element_size()) for name, t in state.items())
+    return [{name: state[name] for name in names} for names in cut_by_bytes(sizes, buffer_bytes)]
 
 
 def _merge(planned: Sample, done: Sample) -> Sample:

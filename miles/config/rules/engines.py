@@ -93,6 +93,11 @@ def _check_family_settings_on_sglang(res: Resolution) -> None:
         )
 
 
+def _samples(res: Resolution, job: JobSpec) -> bool:
+    """Whether the job runs rollout engines: it generates, evaluates, or evaluates on the way (--eval-interval)."""
+    return job.generates or job.name == "eval" or res["eval_interval"] is not None
+
+
 def resolve_generator_device(res: Resolution, job: JobSpec) -> None:
     """--diffusion-generator-device is cpu, cuda or cuda:N. Its default (cuda, as in the reference) becomes cpu
     on a machine without GPUs, where no engine can hold a CUDA generator (sglang's CPU build draws on the CPU
@@ -108,7 +113,7 @@ def resolve_generator_device(res: Resolution, job: JobSpec) -> None:
         return
     if not res.explicit(dest):
         res.derive(dest, "cpu")
-    elif job.generates or job.name == "eval" or res["eval_interval"] is not None:
+    elif _samples(res, job):
         res.fail(
             f"{res.show(dest)}: a CUDA noise generator needs CUDA and this machine has no GPU; "
             "use --diffusion-generator-device cpu"
@@ -125,8 +130,7 @@ def check_distributed_post(res: Resolution, job: JobSpec) -> None:
     dest = "use_distributed_post"
     if not res[dest]:
         return
-    runs_engines = job.generates or job.name == "eval" or res["eval_interval"] is not None
-    if not runs_engines:
+    if not _samples(res, job):
         res.fail(f"{res.show(dest)}: `miles {job.command}` runs no rollout engines, so nothing is posted")
     if res["rollout_backend"] != "sglang":
         res.fail(

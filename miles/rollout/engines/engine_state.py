@@ -20,13 +20,13 @@ HEALTH_GROUP = "health"  # the actor's concurrency group for status / crash call
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of a state dict in name order: each name, dtype, shape and the tensor's bytes."""
+    """SHA-256 over a state dict in name order: each name and its tensor's digest (`tensor_sha256`, the one
+    the sglang weight checker uses: dtype, shape, bytes)."""
+    from miles.rollout.engines.sglang.sync import tensor_sha256
+
     digest = hashlib.sha256()
     for name in sorted(state):
-        tensor = state[name].detach()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        flat = tensor.to("cpu").contiguous().reshape(-1)
-        digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+        digest.update(f"{name}|{tensor_sha256(state[name])}|".encode())
     return digest.hexdigest()
 
 

@@ -49,7 +49,6 @@ class _Call:
     engine: int
     requests: list[GenerateRequest]
     generation: int = -1
-    ref: Any = None
 
 
 def failure_line(exc: BaseException) -> str:
@@ -409,8 +408,7 @@ class EngineSupervisor:
         with self.lock:
             call.generation = self.generations[call.engine]
             handle = self.engines[call.engine]
-        call.ref = getattr(handle, method).remote(call.requests)
-        return call.ref
+        return getattr(handle, method).remote(call.requests)
 
     def _crash_now(self, calls: list[_Call], results: dict[int, list[Any]]) -> bool:
         """Crash engine 0 (CI fault injection) once one of its calls is done, or at once when it has only one:

@@ -288,16 +288,9 @@ def write_transformer(
 def shard_plan(state: dict[str, torch.Tensor], dtype: torch.dtype, buffer_bytes: int | None) -> list[list[str]]:
     """The names of `state` in shards of at most `buffer_bytes` once cast to `dtype`, in order (a larger tensor
     makes a shard alone; None: one shard)."""
-    shards: list[list[str]] = []
-    size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * dtype.itemsize
-        if not shards or (buffer_bytes is not None and size + nbytes > buffer_bytes):
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
+    from miles.utils.buckets import cut_by_bytes
+
+    return cut_by_bytes(((name, t.numel() * dtype.itemsize) for name, t in state.items()), buffer_bytes)
 
 
 def write_shards(
