@@ -47,7 +47,7 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     hasher = hashlib.sha256()
     hasher.update(str(t.dtype).encode("utf-8"))
     hasher.update(repr(tuple(t.shape)).encode("utf-8"))
-    hasher.update(t.view(torch.uint8).numpy().tobytes())
+    hasher.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # flat: a 0-dim tensor has bytes too
     return hasher.hexdigest()
 
 
