@@ -42,14 +42,17 @@ def build(
         where = f"--out {target}" if out is not None else f"{target} (the default location)"
         if not force:
             meta = read_metadata(target) if complete else None
-            if meta is not None and out is None:
+            if meta is not None and out is None and is_complete(target, name):
                 typer.echo(
                     f"{name} is already built at {target} (seed {meta['seed']}, classifier test accuracy "
                     f"{meta['digit_classifier']['test_accuracy']:.4f}); pass --force to rebuild"
                 )
                 return
-            state = f"already holds a {name} checkpoint" if complete else "exists and is not empty"
-            raise ConfigError(f"{where}: {state}; pass --force to replace it")
+            if meta is not None and out is None:  # our own cache, made by an older builder
+                typer.echo(f"{target} holds a build of an older {name} design; rebuilding it")
+            else:
+                state = f"already holds a {name} checkpoint" if complete else "exists and is not empty"
+                raise ConfigError(f"{where}: {state}; pass --force to replace it")
         if out is not None and not complete:
             raise ConfigError(f"{where}: --force only replaces a {name} checkpoint, and this is not one")
         shutil.rmtree(target)

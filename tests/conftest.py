@@ -94,9 +94,10 @@ def tiny_qwen_image_dir(miles_session_home: Path) -> Path:
 def tiny_wan2_2_dir(miles_session_home: Path) -> Path:
     """tiny-wan2_2 with a short VAE fit (40 steps, about a fifth of the build): the tests need its layout, not
     its reconstructions; the full build's reconstruction scores are an `extended` test."""
+    from miles.models.tiny.metadata import current_design
     from miles.models.wan2_2.tiny import build_tiny_wan2_2
 
-    path = miles_session_home / "test-builds" / "tiny-wan2_2-vae40"
+    path = miles_session_home / "test-builds" / f"tiny-wan2_2-design{current_design('tiny-wan2_2')}-vae40"
     if not (path / "model_index.json").is_file():
         build_tiny_wan2_2(path, progress=False, vae_steps=40)
     return path

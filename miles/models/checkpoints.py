@@ -14,7 +14,7 @@ from pathlib import Path
 from miles.config.errors import ConfigError
 from miles.models.digits_teachers import SFT_TEACHERS, TEACHER_BUILDER, is_current
 from miles.models.pipeline_config import import_dotted
-from miles.models.tiny.metadata import METADATA_FILES, TINY_SD3_NAME
+from miles.models.tiny.metadata import METADATA_FILES, TINY_SD3_NAME, built_design, current_design
 from miles.utils.paths import file_lock, models_dir
 
 # the offline tiny builds: name -> "module:function" with the signature (out_dir, seed=, progress=) -> BuildReport
@@ -39,9 +39,16 @@ def builtin_checkpoint_dir(name: str) -> Path:
 
 
 def is_complete(path: Path, name: str | None = None) -> bool:
-    """A whole checkpoint; for a digits teacher, also one built with today's step count."""
+    """A whole checkpoint; for a built-in `name`, also one made by today's builder (a tiny build of today's
+    design, a digits teacher with today's step count from such a base)."""
     whole = any((path / f).is_file() for f in METADATA_FILES) and (path / "model_index.json").is_file()
-    return whole and (name not in SFT_TEACHERS or is_current(path, name))
+    return whole and (name is None or not _outdated(path, name))
+
+
+def _outdated(path: Path, name: str) -> bool:
+    if name in SFT_TEACHERS:
+        return not is_current(path, name)
+    return name in TINY_BUILDERS and built_design(path) != current_design(name)
 
 
 def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, seed: int = 0) -> Path:
@@ -56,10 +63,10 @@ def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, se
     with file_lock(target.parent / f".{name}.lock"):
         if is_complete(target, name):  # another process built it while we waited
             return target
-        if name in SFT_TEACHERS and is_complete(target):
+        if is_complete(target):
             import shutil
 
-            shutil.rmtree(target)  # our own cache, built with another step count: rebuild it
+            shutil.rmtree(target)  # our own cache, made by an older builder or step count: rebuild it
         if target.exists():
             raise ConfigError(
                 f"{target} exists but is not a complete {name} checkpoint; remove it and retry "

@@ -24,7 +24,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft-short": 525,
     "tiny-flux-digits-sft-short": 100,  # digit reward 0.33, where its SFT curve turns steep (0.75 at 125)
     "tiny-qwen-image-digits-sft-short": 150,  # digit reward 0.35 (0.21 at 100, 0.48 at 200)
-    "tiny-wan2_2-digits-sft-short": 250,
+    "tiny-wan2_2-digits-sft-short": 150,
 }
 # name -> (the SFT recipe that makes it, its base checkpoint)
 TEACHER_SOURCES: dict[str, tuple[str, str]] = {
@@ -54,5 +54,19 @@ def built_steps(path: Path, name: str) -> int | None:
         return None
 
 
+def built_base_design(path: Path) -> int:
+    """The design of the tiny build a cached teacher was trained from (1 when its stamp predates the field)."""
+    import json
+
+    try:
+        return int(json.loads((path / STAMP_FILE).read_text()).get("base_design", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
+
+
 def is_current(path: Path, name: str) -> bool:
-    return built_steps(path, name) == SFT_TEACHERS[name]
+    """Built with today's step count, from a base of today's design."""
+    from miles.models.tiny.metadata import current_design
+
+    base = TEACHER_SOURCES[name][1]
+    return built_steps(path, name) == SFT_TEACHERS[name] and built_base_design(path) == current_design(base)

@@ -1,7 +1,7 @@
 """`miles eval`: generate for the eval datasets with `--hf-checkpoint` and report their metrics.
 
 Writes `eval/<name>/<metric>` to metrics.jsonl (rollout_id 0) and a labelled grid per dataset,
-`images/eval_<name>.png`.
+`images/eval_<name>.png` (videos: also `eval_<name>.webp`, animated, and one WebP per video).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from miles.io.dashboard import open_dashboard
-from miles.io.images import save_grid
 from miles.io.loggers import MetricsLogger
 from miles.rollout.rollout_hooks import log_eval
 from miles.runtime.ci_check import ci_check
@@ -22,11 +21,16 @@ GRID_MAX = 64
 
 
 def save_eval_grids(args: Any, out: Any, by_name: dict[str, list[Any]], tag: str = "") -> None:
+    """`images/eval_<name><tag>.png` per eval set (the captioned grid of its first GRID_MAX samples); with
+    videos also the animated grid `eval_<name><tag>.webp` and one WebP per video (`eval_<name><tag>/NNNN.webp`)."""
+    from miles.io.video import DEFAULT_FPS, save_samples_media
+
     key = args.eval_reward_key or args.reward_key
+    fps = float(getattr(args, "diffusion_fps", None) or DEFAULT_FPS)
     for name, samples in by_name.items():
         shown = samples[:GRID_MAX]
         labels = [f"{s.prompt} | r={s.scalar_reward(key):.3f}" for s in shown]
-        save_grid(out / "images" / f"eval_{name}{tag}.png", [s.image for s in shown], labels)
+        save_samples_media(out / "images", f"eval_{name}{tag}", [s.image for s in shown], labels, fps)
 
 
 def run(resolved: ResolvedJob) -> int:

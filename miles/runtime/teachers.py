@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 from miles.models.digits_teachers import SFT_TEACHERS, STAMP_FILE, TEACHER_SOURCES
+from miles.models.tiny.metadata import current_design
 
 
 def _free_port() -> int:
@@ -49,7 +50,7 @@ def build_digits_teacher(name: str, target: Path, progress: bool = True) -> Path
                 trainer.train_sft(x0, samples)
                 bar.advance(task)
         trainer.export_pipeline(str(target))
-        stamp = {"name": name, "sft_steps": steps, "recipe": recipe, "base": base}
+        stamp = {"name": name, "sft_steps": steps, "recipe": recipe, "base": base, "base_design": current_design(base)}
         atomic_write_text(target / STAMP_FILE, json.dumps(stamp, indent=2) + "\n")
     finally:
         if owns_group and dist.is_initialized():

@@ -172,3 +172,25 @@ def test_samples_media_for_images_and_videos(tmp_path) -> None:
     assert [p.name for p in written["videos"]] == ["0000.webp", "0001.webp", "0002.webp"]
     for path, video in zip(written["videos"], videos, strict=True):
         assert np.array_equal(read_video(path), as_video_frames(video))
+
+
+def test_eval_of_videos_writes_the_animated_grid_and_each_video(tmp_path) -> None:
+    """Eval (miles eval and the jobs' --eval-interval) writes videos as rollouts do, at --diffusion-fps."""
+    from types import SimpleNamespace
+
+    from miles.rollout.types import Sample
+    from miles.runtime.eval_job import save_eval_grids
+
+    videos = [_random_video(frames=4, h=16, w=16, seed=s) for s in range(2)]
+    samples = [Sample(index=i, group_index=i, prompt=f"p{i}", image=v, reward=0.5) for i, v in enumerate(videos)]
+    args = SimpleNamespace(eval_reward_key=None, reward_key=None, diffusion_fps=4)
+    save_eval_grids(args, tmp_path, {"digits": samples}, tag="_7")
+    images = tmp_path / "images"
+    assert sorted(p.name for p in images.iterdir()) == ["eval_digits_7", "eval_digits_7.png", "eval_digits_7.webp"]
+    assert read_video(images / "eval_digits_7.webp").shape[0] == 4
+    for k in range(len(videos)):
+        assert read_video(images / "eval_digits_7" / f"{k:04d}.webp").shape == (4, 16, 16, 3)
+    with Image.open(images / "eval_digits_7.webp") as webp:
+        webp.seek(1)
+        webp.load()
+        assert webp.info["duration"] == 250  # 4 fps

@@ -105,6 +105,7 @@ def test_layout_and_metadata(tiny_wan2_2_dir):
     ):
         assert key in meta, key
     assert meta["name"] == "tiny-wan2_2" and meta["seed"] == 0
+    assert meta["design"] == 2  # an older cached design is rebuilt on first use (tests/models/test_teacher_stamp.py)
     assert meta["num_frames"] == 9 and meta["fps"] == 8 and meta["resolution"] == default_resolution(tiny_wan2_2_dir)
     assert max_sequence_length(tiny_wan2_2_dir) == meta["max_sequence_length"] == 16
     assert meta["sglang_model_id"] == "Wan2.2-T2V-A14B-Diffusers"
@@ -141,9 +142,14 @@ def test_components_and_config(tiny_wan_pipeline, tiny_wan2_2_dir):
     assert pipe.transformer is not None and pipe.transformer_2 is not None
     assert type(pipe.text_encoder).__name__ == "UMT5EncoderModel"
     assert pipe.text_encoder.config.d_model == pipe.transformer.config.text_dim
+    side = meta["latent_size"]
     for expert in (pipe.transformer, pipe.transformer_2):
-        assert tuple(expert.config.patch_size) == (1, 2, 2)
+        # one token per latent frame (Wan's DiT has no absolute position signal between patches), and an
+        # expert wide enough to carry a whole patch (cells x channels) through
+        assert tuple(expert.config.patch_size) == (1, side, side)
         assert expert.config.in_channels == expert.config.out_channels == pipe.vae.config.z_dim
+        width = expert.config.num_attention_heads * expert.config.attention_head_dim
+        assert width >= side * side * pipe.vae.config.z_dim
     sched = pipe.scheduler.config
     assert type(pipe.scheduler).__name__ == "UniPCMultistepScheduler"
     assert sched.prediction_type == "flow_prediction" and sched.use_flow_sigmas and sched.flow_shift == 12.0

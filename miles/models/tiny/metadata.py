@@ -20,6 +20,11 @@ FORMAT_VERSION = 1
 TINY_MAX_SEQUENCE_LENGTH = 8  # T5 tokens; the digit prompts need 5 (with </s>)
 TINY_RESOLUTION = 64
 DIFFUSERS_SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's own default
+# a tiny build's design, written into its metadata as "design": bumped when a builder's architecture changes,
+# so a cached build of an older design is rebuilt on first use instead of loaded (absent: design 1)
+TINY_DESIGNS: dict[str, int] = {
+    "tiny-wan2_2": 2,  # 2: one token per latent frame (patch 1x16x16, width 512), a 2-channel VAE
+}
 
 
 def _checkpoint_path(checkpoint: str | os.PathLike) -> Path:
@@ -50,6 +55,17 @@ def read_metadata(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
         return None
+
+
+def current_design(name: str) -> int:
+    """The design today's builder of the tiny model `name` makes."""
+    return TINY_DESIGNS.get(name, 1)
+
+
+def built_design(folder: Path) -> int:
+    """The design recorded in a tiny build's metadata (1 when the build predates the field or has none)."""
+    meta = read_metadata(folder)
+    return int(meta.get("design", 1)) if meta is not None else 1
 
 
 def is_tiny_sd3(checkpoint: str | os.PathLike) -> bool:
