@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles.models.tiny.metadata import current_design
+
 SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft": 1000,  # optimizer steps at batch 64
     "tiny-sd3-digits-sft-short": 525,
@@ -41,32 +43,40 @@ TEACHER_BUILDER = "miles.runtime.teachers:build_digits_teacher"
 _UNSTAMPED_STEPS = {"tiny-sd3-digits-sft": 1000, "tiny-sd3-digits-sft-short": 450}
 
 
-def built_steps(path: Path, name: str) -> int | None:
-    """The SFT step count a cached teacher was built with (None: unknown)."""
+def _stamp(path: Path) -> dict | None:
+    """A cached teacher's stamp (None: absent); an unreadable one is {} (so every field reads as unknown)."""
     import json
 
     stamp = path / STAMP_FILE
     if not stamp.is_file():
+        return None
+    try:
+        data = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def built_steps(path: Path, name: str) -> int | None:
+    """The SFT step count a cached teacher was built with (None: unknown)."""
+    stamp = _stamp(path)
+    if stamp is None:
         return _UNSTAMPED_STEPS.get(name)
     try:
-        return int(json.loads(stamp.read_text())["sft_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(stamp["sft_steps"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 
 def built_base_design(path: Path) -> int:
     """The design of the tiny build a cached teacher was trained from (1 when its stamp predates the field)."""
-    import json
-
     try:
-        return int(json.loads((path / STAMP_FILE).read_text()).get("base_design", 1))
-    except (OSError, ValueError, TypeError, AttributeError):
+        return int((_stamp(path) or {}).get("base_design", 1))
+    except (TypeError, ValueError):
         return 1
 
 
 def is_current(path: Path, name: str) -> bool:
     """Built with today's step count, from a base of today's design."""
-    from miles.models.tiny.metadata import current_design
-
     base = TEACHER_SOURCES[name][1]
     return built_steps(path, name) == SFT_TEACHERS[name] and built_base_design(path) == current_design(base)
