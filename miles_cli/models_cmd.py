@@ -11,7 +11,9 @@ import typer
 from miles.config.errors import ConfigError
 
 app = typer.Typer(
-    help="Build the embedded models (tiny-sd3, tiny-flux, tiny-qwen-image, tiny-wan2_2) offline.", no_args_is_help=True
+    help="Build the embedded models (tiny-sd3, tiny-flux, tiny-qwen-image, tiny-wan2_2, tiny-cosmos3, tiny-ltx2) "
+    "offline.",
+    no_args_is_help=True,
 )
 
 
@@ -22,7 +24,12 @@ def _models() -> None:
 
 @app.command("build")
 def build(
-    name: Annotated[str, typer.Argument(help="Model to build: tiny-sd3, tiny-flux, tiny-qwen-image, tiny-wan2_2.")],
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="Model to build: tiny-sd3, tiny-flux, tiny-qwen-image, tiny-wan2_2, tiny-cosmos3, tiny-ltx2."
+        ),
+    ],
     out: Annotated[
         Path | None,
         typer.Option("--out", help="Directory to build into (default: $MILES_HOME/models/NAME)."),

@@ -5,8 +5,8 @@ Session fixtures (built once, reused by every test directory):
   tiny_sd3_dir         tiny-sd3 built once at $MILES_HOME/models/tiny-sd3, so
                        `ensure_checkpoint("tiny-sd3")` finds it too (treat it as read-only)
   tiny_sd3_pipeline    StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir) (read-only; copy to mutate)
-  tiny_flux_dir / tiny_qwen_image_dir / tiny_wan2_2_dir   the other tiny families, built once the same way
-                       (read-only)
+  tiny_flux_dir / tiny_qwen_image_dir / tiny_wan2_2_dir / tiny_ltx2_dir   the other tiny families, built once
+                       the same way (read-only)
   digit_classifier     the checkpoint's digit classifier
   digits_split         the deterministic digits train/test split
   tiny_clip            a tiny random CLIP model + processor saved offline (PickScore's shape)
@@ -100,6 +100,32 @@ def tiny_wan2_2_dir(miles_session_home: Path) -> Path:
     path = miles_session_home / "test-builds" / f"tiny-wan2_2-design{current_design('tiny-wan2_2')}-vae40"
     if not (path / "model_index.json").is_file():
         build_tiny_wan2_2(path, progress=False, vae_steps=40)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_cosmos3_dir(miles_session_home: Path) -> Path:
+    """tiny-cosmos3 with a short VAE fit (60 steps, a fifth of the build's): the tests need its layout, not its
+    reconstructions."""
+    from miles.models.cosmos3.tiny import build_tiny_cosmos3
+    from miles.models.tiny.metadata import current_design
+
+    path = miles_session_home / "test-builds" / f"tiny-cosmos3-design{current_design('tiny-cosmos3')}-vae60"
+    if not (path / "model_index.json").is_file():
+        build_tiny_cosmos3(path, progress=False, vae_steps=60)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx2_dir(miles_session_home: Path) -> Path:
+    """tiny-ltx2 with a 5-step VAE fit (the tests need its layout, not its reconstructions; a fit step of the
+    LTX-2 video VAE at 9x64x64 takes ~2 s on 2 cores)."""
+    from miles.models.ltx.tiny import build_tiny_ltx2
+    from miles.models.tiny.metadata import current_design
+
+    path = miles_session_home / "test-builds" / f"tiny-ltx2-design{current_design('tiny-ltx2')}-vae5"
+    if not (path / "model_index.json").is_file():
+        build_tiny_ltx2(path, progress=False, vae_steps=5)
     return path
 
 

@@ -23,6 +23,8 @@ TINY_BUILDERS: dict[str, str] = {
     "tiny-flux": "miles.models.flux.tiny:build_tiny_flux",
     "tiny-qwen-image": "miles.models.qwen_image.tiny:build_tiny_qwen_image",
     "tiny-wan2_2": "miles.models.wan2_2.tiny:build_tiny_wan2_2",
+    "tiny-ltx2": "miles.models.ltx.tiny:build_tiny_ltx2",
+    "tiny-cosmos3": "miles.models.cosmos3.tiny:build_tiny_cosmos3",
 }
 BUILTIN_MODELS = (*TINY_BUILDERS, *SFT_TEACHERS)
 

@@ -36,7 +36,8 @@ _BUILTIN_MODULES = (
     "miles.models.flux.config",
     "miles.models.qwen_image.config",
     "miles.models.wan2_2.config",
-    "miles.models.pending_families",
+    "miles.models.ltx.config",
+    "miles.models.cosmos3.config",
 )
 _builtins_loaded = False
 

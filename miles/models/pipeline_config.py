@@ -76,6 +76,7 @@ class TrainPipelineConfig:
       sglang_dropped_conditions: `denoising_env` condition keys not kept (geometry the DiT forward rebuilds).
       sglang_fused_modules: modules sglang's port of the DiT fuses: fused suffix -> member suffixes, whose
           tensors it holds concatenated along dim 0 in that order (what its weight checker compares).
+      sglang_server_env: environment variables the family's sglang servers are started with.
 
     Engine hooks (`encode_prompts`, `latent_shape`, `encode_images`, `decode_latents`) and the guided
     forward (`guided_velocity`) are what the engines, the trainer, DMD2 and SFT call; a family overrides
@@ -112,6 +113,13 @@ class TrainPipelineConfig:
     sglang_dropped_conditions: ClassVar[tuple[str, ...]] = ("freqs_cis",)  # env keys the trainer rebuilds itself
     sglang_fused_modules: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
     sglang_cpu_blocker: ClassVar[str] = ""  # why sglang cannot serve this family on CPU ("" = it can)
+    sglang_server_env: ClassVar[Mapping[str, str]] = MappingProxyType({})  # environment its sglang servers need
+    # modules (sglang's names) its port keeps in fp32 whatever the DiT precision: they hold what was synced (cast
+    # to the DiT precision: the checkpoint's load, a written shard) widened to fp32, which the checker digests
+    sglang_fp32_modules: ClassVar[tuple[str, ...]] = ()
+    # the --diffusion-forward-dtype values sglang's port of the DiT runs at (empty: any), and why
+    sglang_dit_precisions: ClassVar[tuple[str, ...]] = ()
+    sglang_precision_reason: ClassVar[str] = ""
     max_sequence_length: ClassVar[int] = 256  # the pipeline's own text length default (tiny builds store theirs)
     # the transformer's block lists: FSDP2 shards each block on its own (one all-gather per block; a block
     # left out is gathered with the root, all at once)
@@ -119,6 +127,10 @@ class TrainPipelineConfig:
     # the denoiser's components, trained and synced by `--update-weight-target-module` (experts: more than one)
     experts: ClassVar[tuple[str, ...]] = ()
     makes_video: ClassVar[bool] = False  # `--diffusion-output-num-frames` > 1 is this family's to honour
+    # `--rollout-patch-group` values this family honours on the in-process engine (group -> what it changes in
+    # the engine's and the trainer's forward alike); any other group is refused (miles.config.rules.engines)
+    patch_groups: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    sglang_unserved: ClassVar[str] = ""  # why sglang cannot serve this family's rollouts at all ("" = it can)
 
     # ---- lazy class access -------------------------------------------------------------------
     def load_pipeline_class(self) -> type:
@@ -283,6 +295,16 @@ class TrainPipelineConfig:
         levels inside it when only some experts train."""
         return None
 
+    def bind_args(self, args: Any) -> None:
+        """Read the run settings the forward depends on (e.g. `--rollout-patch-group`, `--diffusion-fps`); the
+        engine and the trainer both call it on their own instance. Default: nothing."""
+
+    def sde_mask(self, latent_shape: tuple[int, ...]) -> Any:
+        """A bool tensor of `latent_shape` (one sample): True where the SDE step is stochastic and scored, False
+        where the element takes the ODE mean and is left out of the log-prob (e.g. LTX-2's audio stream). The
+        engine and the trainer pass it to the step. Default None: every element is stochastic."""
+        return None
+
     def bind_checkpoint(self, checkpoint: Any) -> None:
         """Read what the family needs from a local checkpoint beyond its name (e.g. Wan2.2's expert boundary)
         before `trainable_steps`; default: nothing."""
@@ -374,6 +396,15 @@ class TrainPipelineConfig:
                 raise ValueError(f"{name} (fused by sglang) needs {missing} too")
             out[name] = torch.cat([tensors[p] for p in parts])
         return out
+
+    def engine_dtype(self, name: str, dtype: Any) -> Any:
+        """The dtype sglang's port holds tensor `name` (its name) in when it serves at `dtype`: fp32 for the
+        `sglang_fp32_modules`, else `dtype`."""
+        if any(name == m or name.startswith(m + ".") for m in self.sglang_fp32_modules):
+            import torch
+
+            return torch.float32
+        return dtype
 
     def sglang_blocker(self, guidance_scale: float, true_cfg_scale: float | None, max_sequence_length: int) -> str:
         """Why sglang would not sample what this family's pipeline samples with these settings and a checkpoint of
@@ -540,3 +571,14 @@ def scheduler_schedule(scheduler: Any) -> tuple[Any, Any]:
             "call scheduler.set_timesteps first"
         )
     return sigmas, timesteps
+
+
+def prompt_geometry(args: Any) -> dict[str, Any]:
+    """The output geometry `encode_prompts` receives (`geometry=`): size, frame count and fps from the flags
+    (a family whose prompt template states them, e.g. cosmos3, reads it; the others ignore it)."""
+    return {
+        "height": int(args.diffusion_height),
+        "width": int(args.diffusion_width),
+        "num_frames": int(getattr(args, "diffusion_output_num_frames", None) or 1),
+        "fps": getattr(args, "diffusion_fps", None),
+    }

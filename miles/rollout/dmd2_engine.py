@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from miles.models.pipeline_config import prompt_geometry
 from miles.rollout.dmd2_sampler import backward_simulate, few_step_sample, x0_at
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.seeds import draw_normal
@@ -79,6 +80,7 @@ def _conditions(engine: Any, prompt: str, negative_prompt: str | None, negative:
             negative,
             engine.max_sequence_length,
             guidance=family.embedded_guidance(engine.args.diffusion_guidance_scale),
+            geometry=prompt_geometry(engine.args),
         )
         cache[key] = Conditions(
             {k: v[0].detach().float().cpu() for k, v in pos.items()},

@@ -152,6 +152,12 @@ def _mean_non_batch(t: torch.Tensor) -> torch.Tensor:
     return t if t.ndim <= 1 else t.mean(dim=tuple(range(1, t.ndim)))
 
 
+def _masked_mean(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of each row of `t` [B, ...] over the elements where `mask` (one row's shape) is True."""
+    keep = mask.to(t.device).expand(t.shape[1:]).reshape(-1)
+    return t.reshape(t.shape[0], -1)[:, keep].mean(dim=1)
+
+
 def _is_zero_scalar(value: Scalar) -> bool:
     if isinstance(value, torch.Tensor):
         return value.ndim == 0 and float(value) == 0.0
@@ -180,7 +186,12 @@ def draw_noise(
 
 
 def step_log_prob(
-    x_next: torch.Tensor, mean: torch.Tensor, std: Scalar, sde_type: str, no_const: bool = False
+    x_next: torch.Tensor,
+    mean: torch.Tensor,
+    std: Scalar,
+    sde_type: str,
+    no_const: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-sample log-prob `[B]` of `x_next` under the step's Gaussian, averaged over non-batch dims.
 
@@ -188,17 +199,19 @@ def step_log_prob(
     (`--diffusion-log-prob-no-const`) the terms that do not depend on the mean, `-log s - log sqrt(2 pi)`,
     are dropped. `cps`: `-mean((x_next - mean)**2)`, every constant already dropped (`std` and `no_const`
     unused). `ode` has no density and raises. Nothing is detached here: `sde_step` detaches the sample it scores.
+    `mask` (bool, one sample's shape): average over the True elements only (`sde_step`'s `mask`).
     """
     x_next = x_next.float()
     mean = mean.float()
     diff_sq = (x_next - mean) ** 2
+    reduce = _mean_non_batch if mask is None else (lambda t: _masked_mean(t, mask))
     if sde_type == "cps":
-        return -_mean_non_batch(diff_sq)
+        return -reduce(diff_sq)
     if sde_type == "sde":
         s = _view(torch.as_tensor(std, dtype=torch.float32).to(device=mean.device, dtype=torch.float32), mean.ndim)
         if no_const:
-            return _mean_non_batch(-diff_sq / (2 * s**2))
-        return _mean_non_batch(-diff_sq / (2 * s**2) - torch.log(s) - _LOG_SQRT_2PI)
+            return reduce(-diff_sq / (2 * s**2))
+        return reduce(-diff_sq / (2 * s**2) - torch.log(s) - _LOG_SQRT_2PI)
     if sde_type == "ode":
         raise ValueError("an ode step is deterministic and has no log-prob")
     raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
@@ -217,6 +230,7 @@ def sde_step(
     prev_sample: torch.Tensor | None = None,
     generator: GeneratorArg = None,
     no_const: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> StepResult:
     """One denoising step from `x` at `sigma` to `sigma_next` with model velocity `v` (after CFG).
 
@@ -226,6 +240,10 @@ def sde_step(
     `sigma_max` is the schedule's `sigmas[1]`, used by `sde` in place of sigma where sigma == 1; it is
     required for `sde` whenever a sigma equals 1. `no_const` drops the log-prob's constant terms
     (`step_log_prob`). See the module docstring for the formulas.
+
+    `mask` (a bool tensor of one sample's shape, `TrainPipelineConfig.sde_mask`): only its True elements are
+    stochastic; the others take the ODE (Euler) mean `x + v * dt`, get no noise, and are left out of the
+    log-prob (the mean over the True elements). None (the default) leaves the step exactly as without it.
     """
     if sde_type not in SDE_TYPES:
         raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
@@ -268,6 +286,11 @@ def sde_step(
         mean = x0_hat * (1 - sn_) + x1_hat * _view(coef, ndim)
 
     std, std_dev_t = torch.broadcast_tensors(std, std_dev_t, dt)[:2]
+    if mask is not None:
+        if mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[1:]):
+            raise ValueError(f"mask must be a bool tensor of one sample's shape {tuple(x.shape[1:])}")
+        mask = mask.to(device)
+        mean = torch.where(mask, mean, x + v * _view(dt, ndim))
     deterministic = _is_zero_scalar(noise_level)
     if prev_sample is None:
         if deterministic:
@@ -277,10 +300,11 @@ def sde_step(
                 noise = draw_noise(x.shape, generator, device)
             elif noise.shape != x.shape:
                 raise ValueError(f"noise {tuple(noise.shape)} must match x {tuple(x.shape)}")
-            prev_sample = mean + _view(std, ndim) * noise.float().to(device)
+            scaled = _view(std, ndim) * noise.float().to(device)
+            prev_sample = mean + (scaled if mask is None else torch.where(mask, scaled, torch.zeros_like(scaled)))
     else:
         if prev_sample.shape != x.shape:
             raise ValueError(f"prev_sample {tuple(prev_sample.shape)} must match x {tuple(x.shape)}")
         prev_sample = prev_sample.float()
-    log_prob = None if deterministic else step_log_prob(prev_sample.detach(), mean, std, sde_type, no_const)
+    log_prob = None if deterministic else step_log_prob(prev_sample.detach(), mean, std, sde_type, no_const, mask)
     return StepResult(prev_sample=prev_sample, mean=mean, std=std, std_dev_t=std_dev_t, log_prob=log_prob)

@@ -111,8 +111,15 @@ def sde_backend(args: Any, sde_type: str) -> SdeStepBackend:
 def backend_step(
     args: Any, v: torch.Tensor, x: torch.Tensor, sigma: Scalar, sigma_next: Scalar, **kwargs: Any
 ) -> StepResult:
-    """`sde_step` through the backend of `kwargs['sde_type']` (the engine's and the trainer's call site)."""
-    result = sde_backend(args, kwargs["sde_type"]).sde_step_logprob(v, x, sigma, sigma_next, **kwargs)
+    """`sde_step` through the backend of `kwargs['sde_type']` (the engine's and the trainer's call site).
+    A `mask` (`TrainPipelineConfig.sde_mask`: some elements by ODE) only reaches the built-in backends."""
+    backend = sde_backend(args, kwargs["sde_type"])
+    if kwargs.get("mask") is not None and type(backend) not in BUILTIN.values():
+        raise ValueError(
+            f"{FLAG} {getattr(args, 'sde_step_backend_path', None)!r}: this model family steps some latent "
+            "elements by ODE inside the SDE step (sde_mask), which a custom backend does not implement"
+        )
+    result = backend.sde_step_logprob(v, x, sigma, sigma_next, **kwargs)
     if not isinstance(result, StepResult):
         path = getattr(args, "sde_step_backend_path", None)
         raise TypeError(f"{FLAG} {path!r} returned {type(result).__name__}; expected miles.rollout.sde.StepResult")

@@ -24,6 +24,16 @@ def _free_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+def train_threads(args: Any, world: int) -> int:
+    """A rank's torch threads: `OMP_NUM_THREADS` when `--train-env-vars` sets it (Ray sets its own in every
+    actor, so only the flag's value counts), else this node's cores shared among the ranks. On a machine whose
+    cores other work shares, fewer threads than cores avoids the OpenMP spin of oversubscription."""
+    value = (getattr(args, "train_env_vars", None) or {}).get("OMP_NUM_THREADS")
+    if value is not None and str(value).isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // max(1, world))
+
+
 class TrainerActor:
     """One rank: a `miles.training.trainer.Trainer` inside a Ray actor."""
 
@@ -32,7 +42,7 @@ class TrainerActor:
 
         from miles.training.trainer import Trainer
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+        torch.set_num_threads(train_threads(args, world))
         self.trainer = Trainer(args, rank, world, addr, port, total_steps)
 
     def ready(self) -> bool:

@@ -62,7 +62,9 @@ def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_
 
 def export_lora(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
     """The trained LoRA in diffusers/peft format (`pytorch_lora_weights.safetensors` + its LoraConfig),
-    loadable with `pipeline.load_lora_weights(out_dir)`. A family with experts gets one adapter per trained
+    loadable with `pipeline.load_lora_weights(out_dir)` (a pipeline without a LoRA loader, Cosmos3's:
+    `pipeline.transformer.load_lora_adapter(out_dir, prefix="transformer", weight_name=
+    "pytorch_lora_weights.safetensors")`). A family with experts gets one adapter per trained
     expert in `out_dir/<expert>/` (diffusers' Wan convention: `load_lora_weights(out_dir / "transformer_2",
     load_into_transformer_2=True)` for the low-noise one)."""
     from miles.training.model import lora_targets
@@ -80,11 +82,18 @@ def export_lora(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir:
     if out.exists():
         shutil.rmtree(out)
     parts = family.split_denoiser_state(layers) if family.experts else {"": layers}
+    pipeline_class = family.load_pipeline_class()
     with atomic_directory(out) as tmp:
         for subfolder, part in parts.items():
-            family.load_pipeline_class().save_lora_weights(
-                tmp / subfolder if subfolder else tmp,
-                transformer_lora_layers=part,
-                transformer_lora_adapter_metadata=metadata,
-            )
+            where = tmp / subfolder if subfolder else tmp
+            if hasattr(pipeline_class, "save_lora_weights"):
+                pipeline_class.save_lora_weights(
+                    where, transformer_lora_layers=part, transformer_lora_adapter_metadata=metadata
+                )
+            else:  # a pipeline without a LoRA loader (Cosmos3): the same file, for `transformer.load_lora_adapter`
+                from diffusers.loaders.lora_base import LoraBaseMixin
+
+                LoraBaseMixin._save_lora_weights(
+                    where, lora_layers={"transformer": part}, lora_metadata={"transformer": metadata}
+                )
     return out

@@ -80,6 +80,7 @@ class SglangExpectations:
 
         self.family = family_of(args)  # sglang's port may hold some tensors fused (qwen_image's text q/k/v)
         checkpoint = Path(ensure_checkpoint(args.hf_checkpoint))
+        self.family.bind_checkpoint(checkpoint)  # the layout may depend on the checkpoint (cosmos3's MLP kind)
         self.params, self.linears = transformer_layout(checkpoint)
         self.dtype = DTYPES[args.diffusion_forward_dtype]
         self.base_files = sorted((checkpoint / "transformer").glob("*.safetensors"))
@@ -122,15 +123,15 @@ def push_to_sglang(
     """Load by handle, then verify every parameter; LoRA-only payloads go as sglang's `lora_merge`."""
     import ray
 
-    from miles.rollout.engines.sglang.sync import lora_adapter_pairs
+    from miles.rollout.engines.sglang.sync import cast_kept_modules, lora_adapter_pairs
 
     start = time.perf_counter()
     lora_alpha: int | None = None
     if state and all(is_lora_entry(name) for name in state):
         pairs, lora_alpha = lora_adapter_pairs(state)
         sent = {f"{m}.{part}": t for m, ab in pairs.items() for part, t in zip(("lora_A", "lora_B"), ab, strict=True)}
-    else:
-        sent = state
+    else:  # the modules sglang keeps in fp32 get the DiT precision's values, as from a written shard
+        sent = cast_kept_modules(state, expectations.dtype, expectations.family)
 
     def send(payload: str) -> None:
         ray.get(engine.update_weights_from_ipc.remote(payload, lora_alpha))

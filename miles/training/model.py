@@ -19,12 +19,14 @@ DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}
 
 
 def family_of(args: Any) -> TrainPipelineConfig:
-    return resolve_family(
+    family = resolve_family(
         args.hf_checkpoint,
         family=args.diffusion_model_family,
         config_path=args.train_pipeline_config_path,
         require_trainable=True,
     )
+    family.bind_args(args)  # run settings the forward reads (e.g. --rollout-patch-group), as the engine does
+    return family
 
 
 def target_components(args: Any) -> tuple[str, ...]:

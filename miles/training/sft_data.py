@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from miles.config.errors import ConfigError
+from miles.models.pipeline_config import prompt_geometry
 from miles.rollout.data_source import iter_jsonl_objects
 from miles.rollout.types import Conditions, Sample
 
@@ -130,6 +131,7 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
             True,
             max_len,
             guidance=family.embedded_guidance(args.diffusion_guidance_scale),
+            geometry=prompt_geometry(args),
         )
         cache[caption] = Conditions(
             {k: v[0].float() for k, v in pos.items()},

@@ -212,6 +212,8 @@ class Trainer:
         x, x_next, ts, old, adv = b["latents"], b["next_latents"], b["timesteps"], b["old_log_probs"], b["advantages"]
         sig, sig_next, sig_max = b["sigmas"], b["next_sigmas"], b["sigma_max"]
         cfg, sde_type, noise = b["guidance_scale"], b["sde_type"], b["noise_level"]
+        sde_mask = self.family.sde_mask(tuple(x.shape[1:]))  # the engine's (e.g. LTX-2's audio by ODE)
+        step_extra = {} if sde_mask is None else {"mask": sde_mask}
 
         def step_of(v: torch.Tensor):
             return backend_step(  # the engine's kernel: --sde-step-backend-path, --diffusion-log-prob-no-const
@@ -224,14 +226,18 @@ class Trainer:
                 noise_level=noise,
                 sigma_max=sig_max,
                 prev_sample=x_next,
+                **step_extra,
             )
+
+        def scored(mean: torch.Tensor) -> torch.Tensor:  # the KL over the stochastic elements only
+            return mean if sde_mask is None else mean.flatten(1)[:, sde_mask.to(mean.device).flatten()]
 
         # The reference forward runs first: swapping weights (EMA) must not happen under a live graph.
         mean_ref = None
         kl_beta = self.args.diffusion_kl_beta
         if kl_beta > 0:
             with torch.no_grad(), self.reference():
-                mean_ref = step_of(self.velocity(x, ts, samples, cfg)).mean
+                mean_ref = scored(step_of(self.velocity(x, ts, samples, cfg)).mean)
         v = self.velocity(x, ts, samples, cfg)
         res = step_of(v)
         if self.args.diffusion_recompute_old_log_prob:
@@ -243,7 +249,7 @@ class Trainer:
             clip_range=self.args.diffusion_clip_range,
             adv_clip_max=self.args.diffusion_adv_clip_max,
             kl_beta=kl_beta,
-            mean_new=res.mean,
+            mean_new=scored(res.mean),
             mean_ref=mean_ref,
             std_dev_t=res.std_dev_t,
         )

@@ -1,4 +1,4 @@
-"""flux and qwen_image through the jobs' CLI: `rollout-only`, `replay` of its file, and `train dmd2`.
+"""flux, qwen_image and cosmos3 through the jobs' CLI: `rollout-only`, `replay` of its file, and `train dmd2`.
 
 The trainer-level checks (recompute, LoRA sync, export, NFT and SFT steps) are in
 tests/training/test_family_trainer.py; here each job runs as a user runs it (Ray, trainer groups, files).
@@ -19,8 +19,14 @@ from miles_cli.main import main
 # and tests/models/test_families.py; these whole-CLI runs are acceptance-style
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
-FAMILIES = {"flux": "tiny_flux_dir", "qwen_image": "tiny_qwen_image_dir"}
-RECIPES = {"flux": "tiny-flux-digits-grpo", "qwen_image": "tiny-qwen-image-digits-grpo"}
+FAMILIES = {"flux": "tiny_flux_dir", "qwen_image": "tiny_qwen_image_dir", "cosmos3": "tiny_cosmos3_dir"}
+RECIPES = {
+    "flux": "tiny-flux-digits-grpo",
+    "qwen_image": "tiny-qwen-image-digits-grpo",
+    "cosmos3": "tiny-cosmos3-digits-grpo",
+}
+# a family's own rules over the flags below (cosmos3: one sample per request)
+FAMILY_FLAGS = {"cosmos3": ["--rollout-microgroup-size", "1"]}
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4"]
 SMALL += ["--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "4"]
 SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
@@ -33,7 +39,7 @@ def family(request: pytest.FixtureRequest) -> tuple[str, Path]:
 
 def test_rollout_only_then_replay(family, tmp_path: Path) -> None:
     name, checkpoint = family
-    flags = ["--recipe", RECIPES[name], "--hf-checkpoint", str(checkpoint), *SMALL]
+    flags = ["--recipe", RECIPES[name], "--hf-checkpoint", str(checkpoint), *SMALL, *FAMILY_FLAGS.get(name, [])]
     out = tmp_path / "rollouts"
     assert main(["rollout-only", *flags, "--num-rollout", "1", "--output-dir", str(out)]) == 0
     rollout_id, samples, _ = load_rollout(out / "rollout_0.pt")
@@ -60,7 +66,7 @@ def test_train_dmd2(family, tmp_path: Path) -> None:
     argv = ["train", "dmd2", "--recipe", "tiny-digits-4step", "--hf-checkpoint", str(checkpoint)]
     argv += ["--num-rollout", "2", "--dmd2-critic-update-ratio", "1", "--rollout-batch-size", "4"]
     argv += ["--global-batch-size", "4", "--micro-batch-size", "4", "--eval-prompt-data", "digits", str(prompts)]
-    argv += ["--output-dir", str(out)]
+    argv += ["--output-dir", str(out), *FAMILY_FLAGS.get(name, [])]
     assert main(argv) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]

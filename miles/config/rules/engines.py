@@ -14,10 +14,18 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
     from miles.rollout.engines.sglang.server import gpus_present, resolve_sglang_python
 
     python = resolve_sglang_python(res["sglang_python"])
+    unserved = _family_sglang_unserved(res)
     if res["rollout_backend"] == "auto":
-        res.derive("rollout_backend", "sglang" if python is not None and gpus_present() else "diffusers")
+        serves = python is not None and gpus_present() and not unserved
+        res.derive("rollout_backend", "sglang" if serves else "diffusers")
     if res["rollout_backend"] != "sglang" or not job.generates:
         return
+    if unserved:
+        name, why = unserved
+        res.fail(
+            f"{res.show('rollout_backend')}: sglang cannot serve model family {name!r} ({why}); "
+            "use --rollout-backend diffusers"
+        )
     if res["sglang_python"] and python is None:
         res.fail(f"{res.show('sglang_python')}: no such file")
     if python is None:
@@ -44,6 +52,20 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
                 res.fail(f"{res.show(dest)}: {why}")
         res.derive("offload_rollout", False)
         res.warn(f"--offload-rollout is off: {why}; the sglang engines keep their (CPU) weights between phases")
+
+
+def _family_sglang_unserved(res: Resolution) -> tuple[str, str] | None:
+    """(family, why) when the resolved family cannot be served by sglang at all (`sglang_unserved`), else None."""
+    from miles.config.errors import ConfigError
+    from miles.models.families import resolve_family
+
+    if res["train_pipeline_config_path"] is not None or res["hf_checkpoint"] is None:
+        return None
+    try:
+        family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
+    except ConfigError:
+        return None  # the model rules name the problem
+    return (family.name, family.sglang_unserved) if family.sglang_unserved else None
 
 
 def _check_family_serves_on_cpu(res: Resolution) -> None:
@@ -90,6 +112,13 @@ def _check_family_settings_on_sglang(res: Resolution) -> None:
         res.fail(
             f"{res.show('rollout_backend')} with {res.show(flag)}: {why}; "
             "use --rollout-backend diffusers, or no negative branch"
+        )
+    allowed = family.sglang_dit_precisions
+    if allowed and res["diffusion_forward_dtype"] not in allowed:
+        res.fail(
+            f"{res.show('rollout_backend')} with {res.show('diffusion_forward_dtype')}: sglang serves model family "
+            f"{family.name!r} at {'/'.join(allowed)} only ({family.sglang_precision_reason}); use "
+            f"--diffusion-forward-dtype {allowed[0]}, or --rollout-backend diffusers"
         )
 
 
@@ -166,12 +195,16 @@ PATCH_GROUPS = {
 
 
 def check_patch_groups(res: Resolution, job: JobSpec) -> None:
-    """--rollout-patch-group: no group is applied by miles, so every value is refused with the reason. The
-    in-process engine runs the trainer's own diffusers forward (nothing to align: model_output diff 0.0), and
-    miles ships none of the reference's monkey patches of sglang's ops; on sglang the drift they would remove
-    is what --debug-skip-optimizer-step --diffusion-debug-mode measures."""
+    """--rollout-patch-group: a group the model family honours (`TrainPipelineConfig.patch_groups`, e.g. ltx's
+    `ltx`: audio<->video cross attention off) changes the engine's and the trainer's forward alike, on the
+    in-process engine. Every other value is refused with the reason: the in-process engine runs the trainer's
+    own diffusers forward (nothing to align: model_output diff 0.0), and miles ships none of the reference's
+    monkey patches of sglang's ops; on sglang the drift they would remove is what
+    --debug-skip-optimizer-step --diffusion-debug-mode measures."""
     dest = "rollout_patch_group"
     groups = [str(g).strip() for g in (res[dest] or []) if str(g).strip()]
+    honoured = _family_patch_groups(res)
+    groups = [g for g in groups if g not in honoured]
     if not groups:
         return
     if res["rollout_backend"] != "sglang":
@@ -184,6 +217,20 @@ def check_patch_groups(res: Resolution, job: JobSpec) -> None:
         f"{res.show(dest)}: miles applies no engine-side parity patches to sglang ({shown}); measure the "
         "train/rollout drift with --debug-skip-optimizer-step --diffusion-debug-mode instead"
     )
+
+
+def _family_patch_groups(res: Resolution) -> dict[str, str]:
+    """The patch groups the resolved model family honours (none when it cannot be resolved here)."""
+    from miles.config.errors import ConfigError
+    from miles.models.families import resolve_family
+
+    if res["train_pipeline_config_path"] is not None or res["hf_checkpoint"] is None:
+        return {}
+    try:
+        family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
+    except ConfigError:
+        return {}
+    return dict(family.patch_groups)
 
 
 RULES = (resolve_backend, resolve_generator_device, check_distributed_post, check_weight_buffer, check_patch_groups)

@@ -111,6 +111,7 @@ class FluxTrainPipelineConfig(TrainPipelineConfig):
         do_cfg: bool,
         max_sequence_length: int,
         guidance: float | None = None,
+        geometry: Any = None,  # the output's size / frames / fps (for templates that state them)
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """T5 tokens + pooled CLIP per prompt, and the embedded guidance value as a `[B]` condition."""
         import torch

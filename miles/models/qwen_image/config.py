@@ -70,6 +70,7 @@ class QwenImageTrainPipelineConfig(TrainPipelineConfig):
         do_cfg: bool,
         max_sequence_length: int,
         guidance: float | None = None,
+        geometry: Any = None,  # the output's size / frames / fps (for templates that state them)
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Text states (template dropped) and their mask (always materialised), per prompt batch."""
         import torch

@@ -51,6 +51,7 @@ class SD3TrainPipelineConfig(TrainPipelineConfig):
         do_cfg: bool,
         max_sequence_length: int,
         guidance: float | None = None,
+        geometry: Any = None,  # the output's size / frames / fps (for templates that state them)
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Positive (and, under CFG, negative) condition dicts, batched over `prompts` (SD3 has no
         embedded guidance: `guidance` is unused)."""

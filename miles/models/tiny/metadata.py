@@ -76,7 +76,7 @@ def max_sequence_length(checkpoint: str | os.PathLike, default: int = DIFFUSERS_
     """The T5 max_sequence_length to use with `checkpoint`: the stored one for tiny-sd3, else `default`."""
     meta = read_metadata(checkpoint)
     if meta is not None:
-        return int(meta["max_sequence_length"])
+        return int(meta.get("max_sequence_length", default))  # a build without text truncation: the default
     return TINY_MAX_SEQUENCE_LENGTH if str(checkpoint) == TINY_SD3_NAME else default
 
 

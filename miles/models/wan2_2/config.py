@@ -128,6 +128,7 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         do_cfg: bool,
         max_sequence_length: int,
         guidance: float | None = None,
+        geometry: Any = None,  # the output's size / frames / fps (for templates that state them)
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """UMT5 states (zero past each prompt's tokens); the negative prompt defaults to "" as in WanPipeline."""
         pos, neg = pipe.encode_prompt(

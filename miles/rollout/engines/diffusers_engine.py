@@ -75,6 +75,7 @@ class DiffusersEngine:
             config_path=args.train_pipeline_config_path,
             require_trainable=False,
         )
+        self.family.bind_args(args)  # run settings the forward reads (e.g. --rollout-patch-group)
         self.checkpoint = ensure_checkpoint(args.hf_checkpoint)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # initial and SDE noise are drawn by per-sample generators on --diffusion-generator-device
@@ -210,6 +211,7 @@ class DiffusersEngine:
             do_cfg,
             self.max_sequence_length,
             guidance=family.embedded_guidance(req.guidance_scale),
+            geometry={"height": req.height, "width": req.width, "num_frames": req.num_frames, "fps": req.fps},
         )
         if len(reqs) == 1:
             cond_batch = {k: v.expand(m, *v.shape[1:]) for k, v in pos.items()}
@@ -221,6 +223,8 @@ class DiffusersEngine:
 
         shape = family.latent_shape(pipe, req.height, req.width, req.num_frames)
         sigmas, timesteps = self._schedule(req.num_steps, shape)
+        sde_mask = family.sde_mask(shape)  # None: every element stochastic (else e.g. LTX-2's audio by ODE)
+        step_extra = {} if sde_mask is None else {"mask": sde_mask}
         generators = self.noise_generators(seeds)
         x = torch.stack([draw_normal(shape, g) for g in generators])
         record = not req.evaluation
@@ -254,6 +258,7 @@ class DiffusersEngine:
                     noise_level=req.noise_level,
                     sigma_max=sigma_max,
                     noise=noise,
+                    **step_extra,
                 )
                 if len(rows) == m:
                     x = res.prev_sample

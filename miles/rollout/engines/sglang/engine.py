@@ -192,7 +192,7 @@ def server_spec(args: Any, name: str, python: str, model_path: str, env: dict[st
         num_gpus=int(args.rollout_num_gpus_per_engine),
         warmup=(int(args.diffusion_width), int(args.diffusion_height)),
         passthrough=dict(args.sglang_args or {}),
-        env=env,
+        env={**family.sglang_server_env, **env},
         sleep_on_idle=not gpus_present(),
         name=name,
     )

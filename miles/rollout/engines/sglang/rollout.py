@@ -77,6 +77,7 @@ class SglangRollout:
         self.root = Path(args.output_dir or ".") / "engines"
         model_path = str(ensure_checkpoint(args.hf_checkpoint))
         self.family = engine_family(args)  # what differs per family: payloads, parsing, weight layout
+        self.family.bind_checkpoint(model_path)  # the layout may depend on the checkpoint (cosmos3's MLP kind)
         self.max_sequence_length = max_sequence_length(model_path, default=self.family.max_sequence_length)
         # --diffusion-flow-shift: the server samples a view whose scheduler config has the shift (`schedule.py`)
         model_path = str(served_checkpoint(Path(model_path), args.diffusion_flow_shift, self.root))

@@ -51,8 +51,14 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
-def expected_sha256(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, str]:
-    return {name: tensor_sha256(t.to(dtype)) for name, t in state.items()}
+def expected_sha256(
+    state: dict[str, torch.Tensor], dtype: torch.dtype, family: TrainPipelineConfig | None = None
+) -> dict[str, str]:
+    """Digests of `state` (sglang's names) cast to `dtype`, the DiT precision; a tensor the family's port keeps
+    in another dtype (`engine_dtype`: cosmos3's fp32 time embedder) holds that cast widened to it."""
+    if family is None:
+        return {name: tensor_sha256(t.to(dtype)) for name, t in state.items()}
+    return {name: tensor_sha256(t.to(dtype).to(family.engine_dtype(name, dtype))) for name, t in state.items()}
 
 
 def lora_wrapped_names(names: Any, linears: Any) -> dict[str, str]:
@@ -76,7 +82,23 @@ def engine_sha256(
     state: dict[str, torch.Tensor], dtype: torch.dtype, family: TrainPipelineConfig | None = None
 ) -> dict[str, str]:
     """`expected_sha256` in the layout sglang's port of `family`'s DiT holds the tensors (None: as named)."""
-    return expected_sha256(family.to_engine_tensors(state) if family is not None else state, dtype)
+    return expected_sha256(family.to_engine_tensors(state) if family is not None else state, dtype, family)
+
+
+def cast_kept_modules(
+    state: dict[str, torch.Tensor], dtype: torch.dtype, family: TrainPipelineConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """`state` with the tensors of the modules the family's port keeps in another dtype (`engine_dtype`) cast to
+    `dtype` first: sent by handle they then hold what a written shard gives them (what the digests expect)."""
+    if family is None or not getattr(family, "sglang_fp32_modules", ()):
+        return state
+    out = dict(state)
+    for name, tensor in state.items():
+        module, _, leaf = name.rpartition(".")
+        engine = family.engine_module(module)[0]
+        if engine and family.engine_dtype(f"{engine}.{leaf}", dtype) != dtype and tensor.is_floating_point():
+            out[name] = tensor.to(dtype)
+    return out
 
 
 def files_engine_sha256(
@@ -94,7 +116,7 @@ def files_engine_sha256(
             fused = {k for k in tensors if len(family.engine_module(k.rpartition(".")[0])[1]) > 1}
             pending.update({k: tensors.pop(k).to(dtype) for k in fused})
             tensors = family.to_engine_tensors(tensors)  # sglang's names (Wan's port renames modules)
-        digests.update(expected_sha256(tensors, dtype))
+        digests.update(expected_sha256(tensors, dtype, family))
     if pending:
         digests.update(engine_sha256(pending, dtype, family))
     return digests
@@ -152,7 +174,7 @@ def lora_merged_sha256(
     missing = sorted(set(wanted) - set(weights))
     if missing:
         raise ValueError(f"LoRA adapter {source} adapts modules the transformer does not have: {missing[:5]}")
-    merged = {name: tensor_sha256(t) for name, t in adapter.to_engine_tensors(weights).items()}
+    merged = expected_sha256(adapter.to_engine_tensors(weights), dtype, family)
     digests = {**base_sha, **merged}
     wrapped = lora_wrapped_names(digests, lora_wrapped_modules(linears, adapter))
     return {wrapped[name]: digest for name, digest in digests.items()}
@@ -167,7 +189,7 @@ def lora_wrapped_modules(linears: Any, family: TrainPipelineConfig | None = None
     adapter = family if family is not None else TrainPipelineConfig()
     excluded = tuple(getattr(adapter, "sglang_lora_excluded", ()))
     names = {adapter.engine_module(m)[0] for m in linears}
-    return {name for name in names if not any(part in name for part in excluded)}
+    return {name for name in names if name and not any(part in name for part in excluded)}
 
 
 # ---- experts: one served module per sync target (Wan2.2's transformer and transformer_2) ---------------

@@ -1,0 +1,1 @@
+"""The `cosmos3` family (Cosmos3OmniPipeline) and its embedded tiny build."""

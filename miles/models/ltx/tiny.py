@@ -1,0 +1,471 @@
+"""`build_tiny_ltx2(out_dir, seed)`: LTX-2's audio-video architecture at toy size, built fully offline from a seed.
+
+The result is a normal diffusers LTX2Pipeline directory (`LTX2Pipeline.from_pretrained(dir)` loads it), plus:
+    digit_classifier/       the VIDEO digit classifier (as tiny-wan2_2's: per frame, the digit cropped around its
+                            ink centroid; see miles.models.digit_classifier)
+    miles_tiny.json         metadata: max_sequence_length, resolution, num_frames, fps, VAE stats, the VAE's
+                            reconstruction scores (per-frame digit accuracy, direction accuracy), params, timings
+The directory appears atomically (built in a temp sibling, then renamed).
+
+Components (each initialised from its own seed; torch/diffusers/transformers are imported on use only):
+  tokenizer: a Gemma BPE laid out by hand: Gemma's specials, single characters (Gemma's normalizer turns spaces
+      into "▁"), and one merge chain per "▁word" of the moving-digit prompts, so "the digit 7 moving left" is
+      7 tokens (t, h, e, ▁digit, ▁7, ▁moving, ▁left; Gemma adds no dummy prefix)
+  text_encoder: Gemma3ForConditionalGeneration, 2 layers 32 wide (2 heads x 16, 1 kv head) with a 1-layer
+      SigLIP tower (unused by text prompts; the image token ids point into the tiny vocab)
+  connectors: LTX2TextConnectors, caption_channels 32 (= Gemma's width = heads x head_dim), text_proj_in_factor 3
+      (Gemma's layers + 1: the pipeline stacks every hidden state), 8 registers (the text length must be a
+      multiple of 8)
+  transformer: LTX2VideoTransformer3DModel, 1 layer, video 2 heads x 16 over 4 channels, audio 2 heads x 16 over
+      16 (= audio latent channels x latent mel bins), vae_scale_factors (1, 4, 4) (the VAE's, for RoPE)
+  vae: AutoencoderKLLTX2Video at toy size: 4x4 pixel patches and no down stage (4x spatial, 1x temporal,
+      9 frames -> 9 latent frames of 16x16, 4 channels; 2304 video tokens). families.md's trap 2: the
+      compression ratios are given explicitly. Fitted to moving digits of the train split (`vae_steps`);
+      per-channel latents_mean/latents_std (buffers of this VAE) set from the posterior means
+  audio_vae: AutoencoderKLLTX2Audio, 4 latent channels x 16 mel bins (4 latent bins); families.md's trap 1:
+      base_channels = latent channels x mel bins / 4 = 16 (its latents_mean is applied to the packed token)
+  vocoder: LTX2Vocoder, 16 hidden channels (never run by miles: rewards read the video)
+  scheduler: FlowMatchEulerDiscreteScheduler with LTX-2's dynamic shift (0.95..2.05 over 1024..4096 tokens) and
+      shift_terminal 0.1
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miles.models.loading import quiet_loading
+from miles.models.tiny.build import (
+    BuildReport,
+    Progress,
+    build_atomically,
+    library_versions,
+    phase_timer,
+    score_and_save_video_classifier,
+)
+from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE, current_design
+
+__all__ = ["TINY_LTX2_NAME", "BuildReport", "build_tiny_ltx2"]
+
+TINY_LTX2_NAME = "tiny-ltx2"
+
+# text side
+GEMMA_SPECIALS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
+TEXT_DIM = 32  # Gemma's hidden size == the connectors' and the DiT's caption_channels
+TEXT_LAYERS = 2
+TINY_LTX2_MAX_SEQUENCE_LENGTH = 32  # Gemma tokens (a multiple of the connectors' 8 registers)
+CONNECTOR_REGISTERS = 8
+
+# the DiT
+NUM_LAYERS = 1
+NUM_ATTENTION_HEADS = 2
+ATTENTION_HEAD_DIM = 16
+
+# the video VAE: 4x4 pixel patches and no down stage (4x spatial, no temporal compression), as tiny-wan2_2's: a
+# moving digit's 4x4 pixel block is one latent cell in every frame. Measured on 2 busy CPU cores: ~2 s a fit step
+# (batch 8); 100 steps reach a test MSE of 0.069, per-frame digit accuracy 0.34 and direction accuracy 1.0
+# (a 2x2 patch with a spatial down stage: 3.6 s a step, accuracy 0.28 after 40 steps)
+LATENT_CHANNELS = 4
+VAE_CHANNELS = 16  # the decoder's width (the encoder's is LATENT_CHANNELS: it has no down stage to widen it)
+VAE_PIXEL_PATCH = 4
+SPATIAL_COMPRESSION = 4
+TEMPORAL_COMPRESSION = 1
+VAE_STEPS = 200
+# the posterior log-variance's initial bias: std ~0.05 instead of ~1 (tiny-wan2_2's VAE_INIT_LOGVAR)
+VAE_INIT_LOGVAR = -6.0
+VAE_BATCH_SIZE = 8
+VAE_LR = 1e-2
+VAE_STATS_VIDEOS = 256
+
+# the audio VAE (never decoded by miles; sized by families.md's trap 1)
+AUDIO_LATENT_CHANNELS = 4
+AUDIO_MEL_BINS = 16
+AUDIO_MEL_COMPRESSION = 4
+AUDIO_BASE_CHANNELS = AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // AUDIO_MEL_COMPRESSION
+AUDIO_TOKEN_DIM = AUDIO_LATENT_CHANNELS * (AUDIO_MEL_BINS // AUDIO_MEL_COMPRESSION)
+AUDIO_SAMPLE_RATE = 16000
+AUDIO_HOP_LENGTH = 160
+
+# the videos it is built for (miles.data.digits_video)
+RESOLUTION = 64
+NUM_FRAMES = 9
+FPS = 8
+LATENT_SIZE = RESOLUTION // SPATIAL_COMPRESSION
+LATENT_FRAMES = (NUM_FRAMES - 1) // TEMPORAL_COMPRESSION + 1
+
+# component -> offset added to the build seed (seed * 1000 + offset), so each init is independent of the others'
+SEED_OFFSETS = {"text_encoder": 3, "connectors": 4, "transformer": 5, "vae": 6, "audio_vae": 7, "vocoder": 8}
+
+# LTX-2's scheduler config (Lightricks/LTX-2 in diffusers)
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.95,
+    "max_shift": 2.05,
+    "base_image_seq_len": 1024,
+    "max_image_seq_len": 4096,
+    "shift_terminal": 0.1,
+    "time_shift_type": "exponential",
+}
+
+
+class _LtxProgress(Progress):
+    label = TINY_LTX2_NAME
+
+
+def _seeded(seed: int, name: str) -> None:
+    import torch
+
+    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
+
+
+def video_prompts() -> list[str]:
+    from miles.data.digits import NUM_LABELS
+    from miles.data.digits_video import DIRECTIONS, prompt_for
+
+    return [prompt_for(k, d) for k in range(NUM_LABELS) for d in DIRECTIONS]
+
+
+def make_tokenizer() -> Any:
+    """The hand-laid Gemma BPE (see the module docstring); deterministic, no trainer."""
+    from transformers import GemmaTokenizer
+
+    vocab: dict[str, int] = {tok: i for i, tok in enumerate(GEMMA_SPECIALS)}
+    for code in range(32, 127):
+        vocab.setdefault("\u2581" if code == 32 else chr(code), len(vocab))
+    merges: list[tuple[str, str]] = []
+    words = sorted({w for p in video_prompts() for w in p.split()})
+    for word in words:
+        cur = "\u2581"
+        for ch in word:
+            nxt = cur + ch
+            if nxt not in vocab:
+                merges.append((cur, ch))
+                vocab[nxt] = len(vocab)
+            cur = nxt
+    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=TINY_LTX2_MAX_SEQUENCE_LENGTH)
+
+
+def make_text_encoder(seed: int, tokenizer: Any) -> Any:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_SPECIALS}
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": TEXT_DIM,
+            "intermediate_size": 2 * TEXT_DIM,
+            "num_hidden_layers": TEXT_LAYERS,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "max_position_embeddings": 256,
+            "sliding_window": 64,
+            "pad_token_id": ids["<pad>"],
+            "eos_token_id": ids["<eos>"],
+            "bos_token_id": ids["<bos>"],
+        },
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 1,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+    )
+    _seeded(seed, "text_encoder")
+    return Gemma3ForConditionalGeneration(config).eval()
+
+
+def make_connectors(seed: int) -> Any:
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    _seeded(seed, "connectors")
+    heads, head_dim = 2, TEXT_DIM // 2
+    return LTX2TextConnectors(
+        caption_channels=TEXT_DIM,
+        text_proj_in_factor=TEXT_LAYERS + 1,
+        video_connector_num_attention_heads=heads,
+        video_connector_attention_head_dim=head_dim,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=CONNECTOR_REGISTERS,
+        audio_connector_num_attention_heads=heads,
+        audio_connector_attention_head_dim=head_dim,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=CONNECTOR_REGISTERS,
+    )
+
+
+def make_transformer(seed: int) -> Any:
+    from diffusers import LTX2VideoTransformer3DModel
+
+    _seeded(seed, "transformer")
+    return LTX2VideoTransformer3DModel(
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        num_attention_heads=NUM_ATTENTION_HEADS,
+        attention_head_dim=ATTENTION_HEAD_DIM,
+        cross_attention_dim=NUM_ATTENTION_HEADS * ATTENTION_HEAD_DIM,
+        vae_scale_factors=(TEMPORAL_COMPRESSION, SPATIAL_COMPRESSION, SPATIAL_COMPRESSION),
+        base_height=RESOLUTION,
+        base_width=RESOLUTION,
+        audio_in_channels=AUDIO_TOKEN_DIM,
+        audio_out_channels=AUDIO_TOKEN_DIM,
+        audio_num_attention_heads=NUM_ATTENTION_HEADS,
+        audio_attention_head_dim=ATTENTION_HEAD_DIM,
+        audio_cross_attention_dim=NUM_ATTENTION_HEADS * ATTENTION_HEAD_DIM,
+        audio_scale_factor=AUDIO_MEL_COMPRESSION,
+        audio_sampling_rate=AUDIO_SAMPLE_RATE,
+        audio_hop_length=AUDIO_HOP_LENGTH,
+        num_layers=NUM_LAYERS,
+        caption_channels=TEXT_DIM,
+    )
+
+
+def make_vae(seed: int) -> Any:
+    """The tiny `AutoencoderKLLTX2Video` (latents_mean/std are buffers, set after the fit)."""
+    import torch
+    from diffusers import AutoencoderKLLTX2Video
+
+    _seeded(seed, "vae")
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=LATENT_CHANNELS,
+        block_out_channels=(LATENT_CHANNELS,),  # without a down stage the encoder stays latent-wide
+        down_block_types=("LTX2VideoDownBlock3D",),
+        decoder_block_out_channels=(VAE_CHANNELS,),
+        layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(False,),
+        decoder_spatio_temporal_scaling=(False,),
+        decoder_inject_noise=(False, False),
+        downsample_type=("spatial",),
+        upsample_type=("spatial",),
+        upsample_residual=(False,),
+        upsample_factor=(1,),
+        patch_size=VAE_PIXEL_PATCH,
+        patch_size_t=1,
+        spatial_compression_ratio=SPATIAL_COMPRESSION,  # trap 2: the computed ratio is wrong at toy size
+        temporal_compression_ratio=TEMPORAL_COMPRESSION,
+    )
+    with torch.no_grad():  # the posterior's (shared) log-variance channel starts small (see VAE_INIT_LOGVAR)
+        vae.encoder.conv_out.conv.bias[-1] = VAE_INIT_LOGVAR
+    return vae
+
+
+def make_audio_vae(seed: int) -> Any:
+    from diffusers import AutoencoderKLLTX2Audio
+
+    _seeded(seed, "audio_vae")
+    return AutoencoderKLLTX2Audio(
+        base_channels=AUDIO_BASE_CHANNELS,  # trap 1: = latent channels x mel bins / 4
+        output_channels=2,
+        ch_mult=(1, 2),
+        num_res_blocks=1,
+        in_channels=2,
+        resolution=32,
+        latent_channels=AUDIO_LATENT_CHANNELS,
+        mel_bins=AUDIO_MEL_BINS,
+        sample_rate=AUDIO_SAMPLE_RATE,
+        mel_hop_length=AUDIO_HOP_LENGTH,
+    )
+
+
+def make_vocoder(seed: int) -> Any:
+    from diffusers.pipelines.ltx2 import LTX2Vocoder
+
+    _seeded(seed, "vocoder")
+    return LTX2Vocoder(
+        in_channels=2 * AUDIO_MEL_BINS,
+        hidden_channels=16,
+        out_channels=2,
+        upsample_kernel_sizes=[4, 4],
+        upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1]],
+        output_sampling_rate=AUDIO_SAMPLE_RATE,
+    )
+
+
+def make_scheduler() -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+
+
+def count_params(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def set_video_latent_stats(vae: Any, videos: Any, batch_size: int = 32) -> tuple[list[float], list[float]]:
+    """Per-channel `latents_mean` / `latents_std` (the LTX-2 video VAE's buffers) from the posterior means of
+    `videos`, so the pipeline's normalised latents are zero-mean, unit-variance per channel on the data."""
+    import torch
+
+    from miles.models.tiny.vae_fit import encode_mean
+
+    latents = encode_mean(vae, videos, batch_size).double().transpose(0, 1).flatten(1)
+    mean = [round(float(v), 6) for v in latents.mean(dim=1)]
+    std = [round(float(v), 6) for v in latents.std(dim=1)]
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.tensor(mean))
+        vae.latents_std.copy_(torch.tensor(std))
+    return mean, std
+
+
+def build_tiny_ltx2(
+    out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
+) -> BuildReport:
+    """Build tiny-ltx2 into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
+    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
+
+
+def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    with _LtxProgress(progress, vae_steps) as bar:
+        phase = phase_timer(timings, bar)
+        with phase("tokenizers"):
+            tokenizer = make_tokenizer()
+            prompt_tokens = max(len(tokenizer(p).input_ids) for p in video_prompts())
+            assert prompt_tokens <= TINY_LTX2_MAX_SEQUENCE_LENGTH, prompt_tokens
+        with phase("text encoders"):
+            text_encoder = make_text_encoder(seed, tokenizer)
+            connectors = make_connectors(seed)
+        with phase("transformer"):
+            transformer = make_transformer(seed)
+        with phase("data"):
+            import torch
+
+            from miles.data.digits import load_digits_split
+            from miles.models.tiny import vae_fit
+
+            split = load_digits_split()
+            train_videos, _ = vae_fit.digit_videos_to_vae_input(split.train_x, NUM_FRAMES)
+            test_videos, test_directions = vae_fit.digit_videos_to_vae_input(split.test_x, NUM_FRAMES)
+        with phase("vae fit", advance=False):
+            vae = make_vae(seed)
+            on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
+            vae_fit.fit_vae(
+                vae,
+                train_videos,
+                steps=vae_steps,
+                batch_size=VAE_BATCH_SIZE,
+                lr=VAE_LR,
+                seed=seed,
+                on_step=on_step,
+            )
+        with phase("vae stats"):
+            latents_mean, latents_std = set_video_latent_stats(vae, train_videos[:VAE_STATS_VIDEOS])
+            recon = vae_fit.reconstruct(vae, test_videos, batch_size=32)
+            vae_mse = float(torch.nn.functional.mse_loss(recon, test_videos))
+        with phase("classifier"):
+            clf_meta, frame_acc, direction_acc = score_and_save_video_classifier(
+                tmp, recon, split.test_y, test_directions
+            )
+        with phase("save"):
+            from diffusers import LTX2Pipeline
+
+            audio_vae, vocoder = make_audio_vae(seed), make_vocoder(seed)
+            pipe = LTX2Pipeline(
+                scheduler=make_scheduler(),
+                vae=vae,
+                audio_vae=audio_vae,
+                text_encoder=text_encoder,
+                tokenizer=tokenizer,
+                connectors=connectors,
+                transformer=transformer,
+                vocoder=vocoder,
+            )
+            with quiet_loading():
+                pipe.save_pretrained(tmp)
+        params = {
+            "transformer": count_params(transformer),
+            "vae": count_params(vae),
+            "audio_vae": count_params(audio_vae),
+            "vocoder": count_params(vocoder),
+            "text_encoder": count_params(text_encoder),
+            "connectors": count_params(connectors),
+        }
+        report = BuildReport(
+            out_dir=tmp,
+            seconds=round(time.perf_counter() - start, 3),
+            phase_seconds=timings,
+            classifier_test_accuracy=clf_meta["test_accuracy"],
+            vae_test_mse=vae_mse,
+            vae_recon_accuracy=frame_acc,
+            params=params,
+        )
+        tokens = {"vocab_size": len(tokenizer), "digit_prompt_tokens": prompt_tokens}
+        vae_meta = {
+            "latents_mean": latents_mean,
+            "latents_std": latents_std,
+            "temporal_compression": TEMPORAL_COMPRESSION,
+            "spatial_compression": SPATIAL_COMPRESSION,
+            "fit_steps": vae_steps,
+            "batch_size": VAE_BATCH_SIZE,
+            "lr": VAE_LR,
+            "stats_videos": VAE_STATS_VIDEOS,
+            "test_mse": round(vae_mse, 6),
+            "test_reconstruction_accuracy": frame_acc,
+            "test_direction_accuracy": direction_acc,
+        }
+        _write_metadata(tmp, seed, tokens, vae_meta, report)
+        bar.describe("done")
+    return report
+
+
+def _write_metadata(
+    out: Path, seed: int, tokens: dict[str, int], vae_meta: dict[str, Any], report: BuildReport
+) -> None:
+    from miles.data.digits import SPLIT_SEED
+    from miles.data.digits_video import PROMPT_TEMPLATE
+
+    meta = {
+        "name": TINY_LTX2_NAME,
+        "format_version": FORMAT_VERSION,
+        "design": current_design(TINY_LTX2_NAME),
+        "seed": seed,
+        "resolution": RESOLUTION,
+        "num_frames": NUM_FRAMES,
+        "fps": FPS,
+        "latent_size": LATENT_SIZE,
+        "latent_frames": LATENT_FRAMES,
+        "latent_channels": LATENT_CHANNELS,
+        "audio_token_dim": AUDIO_TOKEN_DIM,
+        "max_sequence_length": TINY_LTX2_MAX_SEQUENCE_LENGTH,
+        "prompt_template": PROMPT_TEMPLATE,
+        "data": {"name": "digits-video", "split_seed": SPLIT_SEED},
+        "tokenizer": tokens,
+        "vae": vae_meta,
+        "digit_classifier": {
+            "path": "digit_classifier",
+            "input": "video",
+            "test_accuracy": report.classifier_test_accuracy,
+        },
+        "params": report.params,
+        "build_seconds": report.seconds,
+        "phase_seconds": report.phase_seconds,
+        "versions": library_versions(),
+    }
+    (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
