@@ -1,4 +1,5 @@
-"""flux, qwen_image and cosmos3 through the jobs' CLI: `rollout-only`, `replay` of its file, and `train dmd2`.
+"""flux, qwen_image, cosmos3, wan2_2 and ltx through the jobs' CLI: `rollout-only`, `replay` of its file, and
+`train dmd2` (refused with one line for ltx).
 
 The trainer-level checks (recompute, LoRA sync, export, NFT and SFT steps) are in
 tests/training/test_family_trainer.py; here each job runs as a user runs it (Ray, trainer groups, files).
@@ -15,18 +16,34 @@ from miles.io.metrics import read_metrics
 from miles.io.rollout_file import load_rollout
 from miles_cli.main import main
 
-# ~3 min of jobs: the families' engines, recompute and trainers are tested in tests/models/test_family_engines.py
-# and tests/models/test_families.py; these whole-CLI runs are acceptance-style
+# ~12 min of jobs (five families): the families' engines, recompute and trainers are tested in
+# tests/models/test_family_engines.py and tests/models/test_families.py; these whole-CLI runs are acceptance-style
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
-FAMILIES = {"flux": "tiny_flux_dir", "qwen_image": "tiny_qwen_image_dir", "cosmos3": "tiny_cosmos3_dir"}
+FAMILIES = {
+    "flux": "tiny_flux_dir",
+    "qwen_image": "tiny_qwen_image_dir",
+    "cosmos3": "tiny_cosmos3_dir",
+    "wan2_2": "tiny_wan2_2_dir",
+    "ltx": "tiny_ltx2_dir",
+}
 RECIPES = {
     "flux": "tiny-flux-digits-grpo",
     "qwen_image": "tiny-qwen-image-digits-grpo",
     "cosmos3": "tiny-cosmos3-digits-grpo",
+    "wan2_2": "tiny-wan2_2-digits-grpo",
+    "ltx": "tiny-ltx2-digits-grpo",
 }
-# a family's own rules over the flags below (cosmos3: one sample per request)
-FAMILY_FLAGS = {"cosmos3": ["--rollout-microgroup-size", "1"]}
+# a family's own rules over the flags below (cosmos3: one sample per request; ltx's recipe draws its SDE steps
+# epoch-globally from candidates, cut to the 4 steps below)
+FAMILY_FLAGS = {
+    "cosmos3": ["--rollout-microgroup-size", "1"],
+    "ltx": ["--diffusion-sde-candidate-steps", "0,1,2,3"],
+}
+# a family's DMD2 flags (wan2_2: the student's timesteps cross the expert boundary, so both experts train)
+DMD2_FLAGS = {"wan2_2": ["--update-weight-target-module", "transformer,transformer_2"]}
+# families whose DMD2 is refused with one line (ltx: its digits data has no audio to pair)
+NO_DMD2 = {"ltx"}
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4"]
 SMALL += ["--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "4"]
 SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
@@ -55,6 +72,18 @@ def test_rollout_only_then_replay(family, tmp_path: Path) -> None:
     assert row["replay/num_samples"] == 8 and torch.isfinite(torch.tensor(row["train/loss"]))
     assert row["train/log_prob_mean_abs_diff"] <= 1e-5, name  # the rollout's policy, recomputed by the trainer
 
+    # `miles eval` of the checkpoint on two of the recipe's own prompts
+    from miles.config.resolve import resolve
+    from miles.data import resolve_dataset
+
+    spec = resolve("rl", recipe=RECIPES[name], cli={"hf_checkpoint": str(checkpoint)}).args.prompt_data
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(resolve_dataset(spec).read_text().splitlines(keepends=True)[:2]))
+    evaluated = tmp_path / "eval"
+    assert main(["eval", *flags, "--eval-prompt-data", "two", str(two), "--output-dir", str(evaluated)]) == 0
+    (row,) = read_metrics(evaluated / "metrics.jsonl")
+    assert row["eval/two/num_samples"] == 2 and 0.0 <= row["eval/two/reward_mean"] <= 1.0
+
 
 def test_train_dmd2(family, tmp_path: Path) -> None:
     name, checkpoint = family
@@ -66,7 +95,10 @@ def test_train_dmd2(family, tmp_path: Path) -> None:
     argv = ["train", "dmd2", "--recipe", "tiny-digits-4step", "--hf-checkpoint", str(checkpoint)]
     argv += ["--num-rollout", "2", "--dmd2-critic-update-ratio", "1", "--rollout-batch-size", "4"]
     argv += ["--global-batch-size", "4", "--micro-batch-size", "4", "--eval-prompt-data", "digits", str(prompts)]
-    argv += ["--output-dir", str(out), *FAMILY_FLAGS.get(name, [])]
+    argv += ["--output-dir", str(out), *FAMILY_FLAGS.get(name, []), *DMD2_FLAGS.get(name, [])]
+    if name in NO_DMD2:
+        assert main(argv) == 2  # a usage error, one line (tests/models/test_ltx_rules.py checks its text)
+        return
     assert main(argv) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]

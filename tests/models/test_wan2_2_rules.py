@@ -80,3 +80,13 @@ def test_wan_frames_must_fit_the_temporal_factor() -> None:
     assert family.latent_shape(pipe, 64, 64, 1) == (16, 1, 8, 8)
     with pytest.raises(ValueError, match="1 \\+ a multiple of 4 frames"):
         family.latent_shape(pipe, 64, 64, 8)
+
+
+def test_wan_dmd2_needs_both_experts() -> None:
+    dmd2 = {**BASE, **WAN, "diffusion_output_num_frames": 1, "diffusion_guidance_scale": 1.0}
+    dmd2 = {**dmd2, "actor_num_gpus_per_node": 1, "num_gpus_per_node": 2, "global_batch_size": 4}
+    with pytest.raises(ConfigError) as err:
+        resolve("dmd2", cli=dmd2)
+    assert "needs both experts" in str(err.value) and "\n" not in str(err.value)
+    args = resolve("dmd2", cli={**dmd2, "update_weight_target_module": "transformer,transformer_2"}).args
+    assert args.update_weight_target_module in ("transformer,transformer_2", ["transformer", "transformer_2"])
