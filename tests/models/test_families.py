@@ -196,7 +196,7 @@ def test_untrainable_family_is_a_config_error(user_module):
     refused with one line naming where it was selected, its reason and the trainable families."""
     where = f"--train-pipeline-config-path {user_module}.Draft"
     with pytest.raises(ConfigError, match="not trainable") as info:
-        resolve_family("x/y", config_path=f"{user_module}.Draft", env={})
+        resolve_family(hf_checkpoint="x/y", config_path=f"{user_module}.Draft", env={})
     msg = str(info.value)
     assert msg.startswith(where) and "its forward is not written yet" in msg and "\n" not in msg
     assert "trainable families: cosmos3, flux, ltx, qwen_image, sd3, wan2_2" in msg
