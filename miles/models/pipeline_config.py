@@ -305,6 +305,11 @@ class TrainPipelineConfig:
         engine and the trainer pass it to the step. Default None: every element is stochastic."""
         return None
 
+    def data_mask(self, latent_shape: tuple[int, ...]) -> Any:
+        """A bool tensor of `latent_shape` (one sample): True where `encode_images` latents carry data, so the SFT
+        loss reads only those elements (e.g. LTX-2's video stream: image data has no audio). Default None: all."""
+        return None
+
     def bind_checkpoint(self, checkpoint: Any) -> None:
         """Read what the family needs from a local checkpoint beyond its name (e.g. Wan2.2's expert boundary)
         before `trainable_steps`; default: nothing."""

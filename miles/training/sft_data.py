@@ -104,6 +104,7 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     rows = read_rows(path, args.input_key)
     family = family_of(args)
     checkpoint = ensure_checkpoint(args.sft_encoder_checkpoint or args.hf_checkpoint)
+    family.bind_checkpoint(checkpoint)  # what the latent layout reads from it (e.g. LTX-2's audio planes)
     with quiet_loading():
         pipe = family.load_pipeline_class().from_pretrained(checkpoint, transformer=None, dtype=torch.float32)
     size = (int(args.diffusion_height), int(args.diffusion_width))
@@ -128,7 +129,7 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
             pipe,
             [caption],
             args.diffusion_negative_prompt,
-            True,
+            family.supports_cfg_training,  # an unguided family (LTX-2) has no negative conditions to drop to
             max_len,
             guidance=family.embedded_guidance(args.diffusion_guidance_scale),
             geometry=prompt_geometry(args),

@@ -309,6 +309,7 @@ class Trainer:
         start = time.perf_counter()
         pairs = [Pair(s, 0, i) for i, s in enumerate(conditions)]
         sigma_range = self.family.trainable_sigma_range(target_components(self.args))
+        data_mask = self.family.data_mask(tuple(x0.shape[1:]))
 
         def micro(batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
             idx = [p.slot for p in batch]
@@ -322,6 +323,9 @@ class Trainer:
                 inputs = {"latents": x_t, "timesteps": sigma * 1000.0, "sigmas": sigma, "clean_latents": clean}
                 return self.hooks.custom_micro(self, batch, {**inputs, "noise": noise, "guidance_scale": None})
             v = self.velocity(x_t, sigma * 1000.0, [p.sample for p in batch], None)
+            if data_mask is not None:  # only these elements carry data (e.g. LTX-2's video, not its audio)
+                keep = data_mask.to(v.device).flatten()
+                v, clean, noise = (t.flatten(1)[:, keep] for t in (v, clean, noise))
             return sft_loss(v, clean, noise, sigma)
 
         metrics = self._step(pairs, micro)

@@ -227,3 +227,48 @@ def test_the_trainer_replays_the_rollout_exactly_and_trains(tiny_ltx2_dir: Path,
     engine.update_weights(trainer.engine_weights())
     after = engine.transformer.state_dict()
     assert any(not torch.equal(after[k], before[k]) for k in before)
+
+
+def test_video_only_sft_encodes_zero_audio_and_trains_the_video_stream_alone(
+    engine: DiffusersEngine, tiny_ltx2_dir: Path
+) -> None:
+    """`miles train sft` for ltx (with the `ltx` patch group, which it requires): the clip's video latent and
+    zero audio planes; the loss reads the video channels only and the video does not attend to the audio, so
+    other audio planes give the same loss bit for bit; a step moves the DiT."""
+    from miles.rollout.types import Conditions, Sample
+    from miles.training.model import family_of
+    from miles.training.trainer import Trainer
+
+    sft = {k: v for k, v in SMALL.items() if not k.startswith(("rollout_", "n_samples", "diffusion_num_sde"))}
+    sft |= {"prompt_data": "digits-video:sft", "micro_batch_size": 2, "rollout_patch_group": ["ltx"]}
+    args = resolve("sft", cli={**sft, "hf_checkpoint": str(tiny_ltx2_dir), "debug_skip_optimizer_step": True}).args
+    family = family_of(args)
+    family.bind_checkpoint(tiny_ltx2_dir)  # as encode_sft_dataset does: the DiT's config without the DiT
+    encoder = family.load_pipeline_class().from_pretrained(tiny_ltx2_dir, transformer=None, dtype=torch.float32)
+    torch.manual_seed(0)
+    pixels = torch.rand(2, 3, FRAMES, 64, 64) * 2 - 1
+    x0 = family.encode_images(encoder, pixels)
+    assert x0.shape == (2, *engine.family.latent_shape(engine.pipe, 64, 64, FRAMES))
+    assert torch.equal(x0[:, 4:], torch.zeros_like(x0[:, 4:]))
+    # the normalisation is decode's inverse: decoding the encoded clip is the VAE's own round trip
+    vae = engine.pipe.vae
+    own = (vae.decode(vae.encode(pixels).latent_dist.mean, torch.zeros(2), return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+    assert (family.decode_latents(engine.pipe, x0) - own).abs().max().item() < 1e-5
+
+    max_len = engine.max_sequence_length
+    pos, _ = family.encode_prompts(engine.pipe, [PROMPT], None, False, max_len, geometry={"fps": FPS})
+    cond = Conditions({k: v[0].float() for k, v in pos.items()}, None, 1.0)
+    samples = [Sample(index=i, group_index=i, prompt=PROMPT, conditions=cond) for i in range(2)]
+    trainer = Trainer(args, master_port=_free_port(), total_steps=2)
+    noisy_audio = x0.clone()
+    noisy_audio[:, 4:] = torch.randn_like(noisy_audio[:, 4:])
+    runs = []
+    for latents in (x0, noisy_audio):
+        trainer.generator.manual_seed(0)
+        runs.append(trainer.train_sft(latents, samples))
+    assert runs[0]["loss"] == runs[1]["loss"] > 0
+    before = {k: v.clone() for k, v in trainer.engine_weights().items()}
+    trainer.args.debug_skip_optimizer_step = False
+    assert trainer.train_sft(x0, samples)["grad_norm"] > 0
+    after = trainer.engine_weights()
+    assert any(not torch.equal(after[k], before[k]) for k in before)

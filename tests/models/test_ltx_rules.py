@@ -1,4 +1,5 @@
-"""The ltx family's rules (torch-free, fast): unguided, no negative prompt, no custom SDE backend, Flow-GRPO only,
+"""The ltx family's rules (torch-free, fast): unguided, no negative prompt, no custom SDE backend, Flow-GRPO and
+video-only SFT (with the `ltx` patch group),
 sglang refused with one line naming the family and why (auto picks the in-process engine), and
 `--rollout-patch-group ltx` honoured for ltx alone."""
 
@@ -93,7 +94,14 @@ def test_bind_args_reads_the_frame_rate() -> None:
     assert family.fps == 24.0  # LTX2Pipeline's default frame rate
 
 
-def test_sft_is_refused_for_ltx_it_has_no_audio_to_pair_with_a_video() -> None:
+def test_sft_needs_the_ltx_patch_group_since_the_data_has_no_audio() -> None:
     sft = {"prompt_data": "digits-video:sft", "global_batch_size": 8}
-    with pytest.raises(ConfigError, match="trains Flow-GRPO on its video stream only"):
-        resolve("sft", cli={**BASE, **LTX, **sft})
+    message = _fails("sft", **sft)
+    assert "`miles train sft`" in message and "--rollout-patch-group ltx" in message and "no audio" in message
+    args = resolve("sft", cli={**BASE, **LTX, **sft, "rollout_patch_group": ["ltx"]}).args
+    assert args.rollout_patch_group == ["ltx"] and args.loss_type == "sft_loss"
+
+
+def test_dmd2_is_refused_for_ltx() -> None:
+    with pytest.raises(ConfigError, match="`miles train dmd2`: model family 'ltx'"):
+        resolve("dmd2", cli={**BASE, **LTX, "rollout_patch_group": ["ltx"]})

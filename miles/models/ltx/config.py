@@ -25,6 +25,10 @@ not replay the joint forward.
 attention is switched off (`isolate_modalities=True`) in the engine's and the trainer's forward alike, so
 the video velocity no longer depends on the audio latents.
 
+SFT trains the video stream only: the digits data has no audio, so `encode_images` gives the video latent and
+zero audio planes, the loss reads the video channels (`data_mask`), and `--rollout-patch-group ltx` is required
+so the video velocity does not depend on the audio planes it is not given. DMD2 and NFT stay refused.
+
 The reference's rules: unguided (guidance 1.0, no negative prompt), no CFG training; CPS sigma =
 timestep / 1000.
 """
@@ -35,7 +39,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, ClassVar
 
 from miles.models.families import register_train_pipeline_config
@@ -72,6 +76,7 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
 
     # what the checkpoint fixes (set by `bind_checkpoint` / `denoiser` / `load_denoiser`; LTX-2's by default)
     video_channels: int = 128
+    dit_config: Any = None  # the DiT's config as `bind_checkpoint` read it (for a pipeline loaded without it)
     isolate_modalities: bool = False  # --rollout-patch-group ltx (`bind_args`)
     fps: float = DEFAULT_FPS  # --diffusion-fps (`bind_args`): the audio length, so the latent's shape, follow it
 
@@ -85,9 +90,11 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
     def bind_checkpoint(self, checkpoint: Any) -> None:
         try:
             with open(os.path.join(os.fspath(checkpoint), "transformer", "config.json")) as f:
-                self.video_channels = int(json.load(f).get("in_channels", self.video_channels))
+                config = json.load(f)
         except (OSError, ValueError):
-            pass
+            return
+        self.video_channels = int(config.get("in_channels", self.video_channels))
+        self.dit_config = SimpleNamespace(**config)
 
     def denoiser(self, pipe: Any) -> Any:
         self.video_channels = int(pipe.transformer.config.in_channels)
@@ -134,12 +141,24 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
                 f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
                 f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
             )
-        config = pipe.transformer.config
+        config = self._dit(pipe)
         f, h, w = (num_frames - 1) // temporal + 1, height // spatial, width // spatial
         audio = self.audio_num_frames(config, f, temporal, fps)
         planes = self.audio_planes(f * h * w, audio, int(config.audio_in_channels))
         self.video_channels = int(config.in_channels)
         return (int(config.in_channels) + planes, f, h, w)
+
+    def _dit(self, pipe: Any) -> Any:
+        """The DiT's config: the loaded transformer's, else the checkpoint's (SFT encodes without the DiT)."""
+        if getattr(pipe, "transformer", None) is not None:
+            return pipe.transformer.config
+        if self.dit_config is None:
+            raise ValueError("model family 'ltx': the DiT's config is unknown (bind_checkpoint was not called)")
+        return self.dit_config
+
+    def data_mask(self, latent_shape: tuple[int, ...]) -> Any:
+        """The video channels: SFT data holds a video and no audio, so the loss reads the video stream only."""
+        return self.sde_mask(latent_shape)
 
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
         """The video token count f*h*w (LTX2Pipeline's `mu` reads the packed video sequence length)."""
@@ -285,9 +304,22 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
         return mean, std, float(vae.config.scaling_factor)
 
     def encode_images(self, pipe: Any, pixels: Any) -> Any:
-        raise NotImplementedError(
-            "model family 'ltx' has no audio to pair with a video, so SFT / DMD2 latents cannot be made"
-        )
+        """Videos [B, 3, F, H, W] in [-1, 1] -> joint latents [B, C_v + k, f, h, w]: the normalised video latent
+        (the posterior mean, LTX2Pipeline's normalisation) and zero audio planes. The data has no audio: SFT
+        reads the video channels only (`data_mask`) and runs with the audio<->video cross attention off
+        (`--rollout-patch-group ltx`, required by `check_settings`), so the video velocity never sees them."""
+        import torch
+
+        vae = pipe.vae
+        video = pixels if pixels.dim() == 5 else pixels[:, :, None]
+        z = vae.encode(video.to(vae.dtype)).latent_dist.mean
+        mean, std, scaling = self._stats(vae, z)
+        z = (z - mean) * scaling / std
+        shape = self.joint_shape(pipe, video.shape[3], video.shape[4], video.shape[2], self.fps)
+        if z.shape[1] != self.video_channels or tuple(z.shape[2:]) != tuple(shape[1:]):
+            raise ValueError(f"ltx: the video VAE gave latents {tuple(z.shape)}; the DiT expects {shape}")
+        audio = z.new_zeros(z.shape[0], shape[0] - self.video_channels, *shape[1:])
+        return torch.cat([z, audio], dim=1).float()
 
     def decode_latents(self, pipe: Any, latents: Any) -> Any:
         """The video channels -> videos [B, 3, F, H, W] in [0, 1] (one frame: images [B, 3, H, W]), as
@@ -317,11 +349,18 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
                 f"{res.show('sde_step_backend_path')}: model family 'ltx' steps its audio by ODE inside the SDE "
                 "step (sde_mask), which a custom backend does not implement; use the built-in backends"
             )
-        if job.name in ("sft", "dmd2") or res["loss_type"] == "nft":
-            what = f"`miles {job.command}`" if job.name in ("sft", "dmd2") else res.show("loss_type")
+        if job.name == "dmd2" or res["loss_type"] == "nft":
+            what = "`miles train dmd2`" if job.name == "dmd2" else res.show("loss_type")
             res.fail(
-                f"{what}: model family 'ltx' trains Flow-GRPO on its video stream only (SFT, DMD2 and NFT would "
-                "need audio latents for the data)"
+                f"{what}: model family 'ltx' trains Flow-GRPO, and SFT on its video stream only (DMD2 and NFT "
+                "would need audio latents for the data)"
+            )
+        groups = [str(g).strip() for g in (res["rollout_patch_group"] or [])]
+        if job.name == "sft" and PATCH_GROUP not in groups:
+            res.fail(
+                "`miles train sft` for model family 'ltx' trains the video stream only (the data has no audio) "
+                f"and needs --rollout-patch-group {PATCH_GROUP} (audio<->video cross attention off), so the video "
+                "velocity does not depend on the audio it is not given"
             )
 
 
