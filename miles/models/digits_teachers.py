@@ -28,6 +28,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-qwen-image-digits-sft-short": 150,  # digit reward 0.35 (0.21 at 100, 0.48 at 200)
     "tiny-wan2_2-digits-sft-short": 100,  # eval reward 0.32 (accuracy 0.34; 0.73 at 200, 0.93 at 300)
     "tiny-cosmos3-digits-sft-short": 50,  # eval reward 0.59 on the ten prompts (0.10 at 25 steps)
+    "tiny-ltx2-digits-sft-short": 1000,  # video stream only (the ltx patch group)
 }
 # name -> (the SFT recipe that makes it, its base checkpoint)
 TEACHER_SOURCES: dict[str, tuple[str, str]] = {
@@ -37,6 +38,7 @@ TEACHER_SOURCES: dict[str, tuple[str, str]] = {
     "tiny-qwen-image-digits-sft-short": ("tiny-qwen-image-digits-sft", "tiny-qwen-image"),
     "tiny-wan2_2-digits-sft-short": ("tiny-wan2_2-digits-sft", "tiny-wan2_2"),
     "tiny-cosmos3-digits-sft-short": ("tiny-cosmos3-digits-sft", "tiny-cosmos3"),
+    "tiny-ltx2-digits-sft-short": ("tiny-ltx2-digits-sft", "tiny-ltx2"),
 }
 STAMP_FILE = "digits_teacher.json"
 # what trains them sits above `miles.training` (it runs the Trainer): imported by path on first use

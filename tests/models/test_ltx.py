@@ -9,6 +9,7 @@ difference of 0.0; `--rollout-patch-group ltx` makes the video velocity independ
 
 from __future__ import annotations
 
+import math
 import socket
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 from miles.config.resolve import resolve
+from miles.models.ltx.tiny import LATENT_CHANNELS as CV
+from miles.models.ltx.tiny import LATENT_SIZE as LS
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
 from miles.rollout.sde import sde_step
@@ -94,17 +97,17 @@ def _request(noise_level: float, sde_steps: list[list[int]], seeds) -> GenerateR
 def test_the_joint_latent_holds_video_then_audio(engine: DiffusersEngine) -> None:
     family, pipe = engine.family, engine.pipe
     shape = family.latent_shape(pipe, 64, 64, FRAMES)
-    # 4 video channels of 9 x 16 x 16; 28 audio tokens x 16 (= 9 frames / 8 fps * 25 per s) fit one more plane
-    assert shape == (5, 9, 16, 16)
+    # CV video channels of 9 x LS x LS; 28 audio tokens x 16 (= 9 frames / 8 fps * 25 per s) fill k more planes
+    assert shape == (CV + math.ceil(28 * 16 / (9 * LS * LS)), 9, LS, LS)
     mask = family.sde_mask(shape)
-    assert mask[:4].all() and not mask[4:].any()
+    assert mask[:CV].all() and not mask[CV:].any()
     x = torch.randn(2, *shape)
     video, audio, frames = family.split(pipe.transformer, x, FPS)
-    assert video.shape == (2, 9 * 16 * 16, 4) and audio.shape == (2, 28, 16) and frames == 28
+    assert video.shape == (2, 9 * LS * LS, CV) and audio.shape == (2, 28, 16) and frames == 28
     joined = family.join(video, audio, x)
-    assert torch.equal(joined[:, :4], x[:, :4])
-    assert torch.equal(joined[:, 4:].reshape(2, -1)[:, : 28 * 16], x[:, 4:].reshape(2, -1)[:, : 28 * 16])
-    assert not joined[:, 4:].reshape(2, -1)[:, 28 * 16 :].any()  # the padding's velocity is 0
+    assert torch.equal(joined[:, :CV], x[:, :CV])
+    assert torch.equal(joined[:, CV:].reshape(2, -1)[:, : 28 * 16], x[:, CV:].reshape(2, -1)[:, : 28 * 16])
+    assert not joined[:, CV:].reshape(2, -1)[:, 28 * 16 :].any()  # the padding's velocity is 0
 
 
 def test_noise_level_zero_reproduces_the_pipeline_video_and_audio(engine: DiffusersEngine) -> None:
@@ -128,9 +131,9 @@ def test_noise_level_zero_reproduces_the_pipeline_video_and_audio(engine: Diffus
     )
     ref = pipe(**common, output_type="latent")
     vae = pipe.vae
-    ours_video = last[:, :4] * vae.latents_std.view(1, -1, 1, 1, 1) / vae.config.scaling_factor
+    ours_video = last[:, :CV] * vae.latents_std.view(1, -1, 1, 1, 1) / vae.config.scaling_factor
     ours_video = ours_video + vae.latents_mean.view(1, -1, 1, 1, 1)
-    assert ref.frames.shape == ours_video.shape == (2, 4, FRAMES, 16, 16)
+    assert ref.frames.shape == ours_video.shape == (2, CV, FRAMES, LS, LS)
     assert (ours_video - ref.frames).abs().max().item() <= 1e-5
     _, audio_last, _ = family.split(pipe.transformer, last, FPS)
     ours_audio = pipe._unpack_audio_latents(audio_last, frames, num_mel_bins=4)
@@ -172,8 +175,8 @@ def test_video_steps_by_sde_audio_by_ode_and_the_recompute_gives_the_log_probs_b
             euler = sde_step(v, x, traj.sigmas[i], traj.sigmas[i + 1], sde_type="ode", noise_level=0.0)
             nxt = traj.latents[i + 1][None]
             # audio (and padding): the ODE step (up to the batch-of-2 vs batch-of-1 forward's rounding)
-            assert (nxt[:, 4:] - euler.prev_sample[:, 4:]).abs().max().item() <= 1e-5
-            assert (nxt[:, :4] - euler.prev_sample[:, :4]).abs().max().item() > 0.1  # video: noise added
+            assert (nxt[:, CV:] - euler.prev_sample[:, CV:]).abs().max().item() <= 1e-5
+            assert (nxt[:, :CV] - euler.prev_sample[:, :CV]).abs().max().item() > 0.1  # video: noise added
     assert worst <= 1e-6
 
 
@@ -183,16 +186,16 @@ def test_the_ltx_patch_group_cuts_the_video_off_the_audio(engine: DiffusersEngin
     torch.manual_seed(0)
     x = torch.randn(1, *shape)
     other = x.clone()
-    other[:, 4:] = torch.randn(1, *other[:, 4:].shape)  # different audio latents, the same video
+    other[:, CV:] = torch.randn(1, *other[:, CV:].shape)  # different audio latents, the same video
     pos, _ = family.encode_prompts(pipe, [PROMPT], None, False, engine.max_sequence_length, geometry={"fps": FPS})
     t = torch.tensor([700.0])
     joint = [family.forward_velocity(pipe.transformer, z, t, pos) for z in (x, other)]
-    assert (joint[0][:, :4] - joint[1][:, :4]).abs().max().item() > 1e-4  # a2v attention: video reads audio
+    assert (joint[0][:, :CV] - joint[1][:, :CV]).abs().max().item() > 1e-4  # a2v attention: video reads audio
     patched = DiffusersEngine(_args(tiny_ltx2_dir, rollout_patch_group=["ltx"]), device="cpu").family
     assert patched.isolate_modalities and not family.isolate_modalities
     cut = [patched.forward_velocity(pipe.transformer, z, t, pos) for z in (x, other)]
-    assert torch.equal(cut[0][:, :4], cut[1][:, :4])  # the video velocity no longer depends on the audio
-    assert (cut[0][:, 4:] - cut[1][:, 4:]).abs().max().item() > 1e-4  # audio still denoises its own input
+    assert torch.equal(cut[0][:, :CV], cut[1][:, :CV])  # the video velocity no longer depends on the audio
+    assert (cut[0][:, CV:] - cut[1][:, CV:]).abs().max().item() > 1e-4  # audio still denoises its own input
 
 
 @pytest.mark.parametrize("patch_group", [None, ["ltx"]])
@@ -249,7 +252,7 @@ def test_video_only_sft_encodes_zero_audio_and_trains_the_video_stream_alone(
     pixels = torch.rand(2, 3, FRAMES, 64, 64) * 2 - 1
     x0 = family.encode_images(encoder, pixels)
     assert x0.shape == (2, *engine.family.latent_shape(engine.pipe, 64, 64, FRAMES))
-    assert torch.equal(x0[:, 4:], torch.zeros_like(x0[:, 4:]))
+    assert torch.equal(x0[:, CV:], torch.zeros_like(x0[:, CV:]))
     # the normalisation is decode's inverse: decoding the encoded clip is the VAE's own round trip
     vae = engine.pipe.vae
     own = (vae.decode(vae.encode(pixels).latent_dist.mean, torch.zeros(2), return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
@@ -261,7 +264,7 @@ def test_video_only_sft_encodes_zero_audio_and_trains_the_video_stream_alone(
     samples = [Sample(index=i, group_index=i, prompt=PROMPT, conditions=cond) for i in range(2)]
     trainer = Trainer(args, master_port=_free_port(), total_steps=2)
     noisy_audio = x0.clone()
-    noisy_audio[:, 4:] = torch.randn_like(noisy_audio[:, 4:])
+    noisy_audio[:, CV:] = torch.randn_like(noisy_audio[:, CV:])
     runs = []
     for latents in (x0, noisy_audio):
         trainer.generator.manual_seed(0)
