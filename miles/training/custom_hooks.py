@@ -26,7 +26,8 @@ and `Sample` is `miles.rollout.types.Sample`.
     Every other key passes through to the loss. Without it the batch is the Flow-GRPO one
     (`miles.training.pairs.flow_grpo_batch`: latents, next_latents, timesteps, sigmas, next_sigmas,
     sigma_max, old_log_probs, advantages, guidance_scale, sde_type, noise_level, pairs); in `train sft`
-    it is latents (noised), timesteps, sigmas, clean_latents, noise and pairs.
+    it is latents (noised), timesteps, sigmas, clean_latents, noise, data_mask (the family's `data_mask`: the
+    elements the data carries, e.g. LTX-2's video channels; None for every other family) and pairs.
 
 --custom-loss-function-path  (--loss-type custom_loss)
     loss(args, batch: dict, model_output: Tensor) -> (loss: Tensor, metrics: dict[str, float])

@@ -321,7 +321,8 @@ class Trainer:
             x_t = noisy_latents(clean, noise, sigma)
             if self.hooks.loss is not None:  # --loss-type custom_loss
                 inputs = {"latents": x_t, "timesteps": sigma * 1000.0, "sigmas": sigma, "clean_latents": clean}
-                return self.hooks.custom_micro(self, batch, {**inputs, "noise": noise, "guidance_scale": None})
+                inputs |= {"noise": noise, "guidance_scale": None, "data_mask": data_mask}
+                return self.hooks.custom_micro(self, batch, inputs)
             v = self.velocity(x_t, sigma * 1000.0, [p.sample for p in batch], None)
             if data_mask is not None:  # only these elements carry data (e.g. LTX-2's video, not its audio)
                 keep = data_mask.to(v.device).flatten()

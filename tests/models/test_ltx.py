@@ -233,7 +233,7 @@ def test_the_trainer_replays_the_rollout_exactly_and_trains(tiny_ltx2_dir: Path,
 
 
 def test_video_only_sft_encodes_zero_audio_and_trains_the_video_stream_alone(
-    engine: DiffusersEngine, tiny_ltx2_dir: Path
+    engine: DiffusersEngine, tiny_ltx2_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`miles train sft` for ltx (with the `ltx` patch group, which it requires): the clip's video latent and
     zero audio planes; the loss reads the video channels only and the video does not attend to the audio, so
@@ -244,7 +244,8 @@ def test_video_only_sft_encodes_zero_audio_and_trains_the_video_stream_alone(
 
     sft = {k: v for k, v in SMALL.items() if not k.startswith(("rollout_", "n_samples", "diffusion_num_sde"))}
     sft |= {"prompt_data": "digits-video:sft", "micro_batch_size": 2, "rollout_patch_group": ["ltx"]}
-    args = resolve("sft", cli={**sft, "hf_checkpoint": str(tiny_ltx2_dir), "debug_skip_optimizer_step": True}).args
+    cli = {**sft, "hf_checkpoint": str(tiny_ltx2_dir), "debug_skip_optimizer_step": True}
+    args = resolve("sft", cli=cli).args
     family = family_of(args)
     family.bind_checkpoint(tiny_ltx2_dir)  # as encode_sft_dataset does: the DiT's config without the DiT
     encoder = family.load_pipeline_class().from_pretrained(tiny_ltx2_dir, transformer=None, dtype=torch.float32)
@@ -270,6 +271,12 @@ def test_video_only_sft_encodes_zero_audio_and_trains_the_video_stream_alone(
         trainer.generator.manual_seed(0)
         runs.append(trainer.train_sft(latents, samples))
     assert runs[0]["loss"] == runs[1]["loss"] > 0
+    # a custom SFT loss gets the same mask in its batch (`data_mask`): sft_loss written as a hook matches
+    hook = {"loss_type": "custom_loss", "custom_loss_function_path": "train_hooks_helpers.sft_as_custom_loss"}
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "training"))
+    custom = Trainer(resolve("sft", cli={**cli, **hook}).args, master_port=_free_port(), total_steps=2)
+    custom.generator.manual_seed(0)
+    assert custom.train_sft(x0, samples)["loss"] == runs[0]["loss"]
     before = {k: v.clone() for k, v in trainer.engine_weights().items()}
     trainer.args.debug_skip_optimizer_step = False
     assert trainer.train_sft(x0, samples)["grad_norm"] > 0

@@ -82,8 +82,7 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
 
     # ---- run settings and checkpoint constants ---------------------------------------------------
     def bind_args(self, args: Any) -> None:
-        groups = [str(g).strip() for g in (getattr(args, "rollout_patch_group", None) or [])]
-        self.isolate_modalities = PATCH_GROUP in groups
+        self.isolate_modalities = _has_patch_group(getattr(args, "rollout_patch_group", None))
         fps = getattr(args, "diffusion_fps", None)
         self.fps = float(fps) if fps else DEFAULT_FPS
 
@@ -355,13 +354,17 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
                 f"{what}: model family 'ltx' trains Flow-GRPO, and SFT on its video stream only (DMD2 and NFT "
                 "would need audio latents for the data)"
             )
-        groups = [str(g).strip() for g in (res["rollout_patch_group"] or [])]
-        if job.name == "sft" and PATCH_GROUP not in groups:
+        if job.name == "sft" and not _has_patch_group(res["rollout_patch_group"]):
             res.fail(
                 "`miles train sft` for model family 'ltx' trains the video stream only (the data has no audio) "
                 f"and needs --rollout-patch-group {PATCH_GROUP} (audio<->video cross attention off), so the video "
                 "velocity does not depend on the audio it is not given"
             )
+
+
+def _has_patch_group(groups: Any) -> bool:
+    """Whether --rollout-patch-group names the ltx group (audio<->video cross attention off)."""
+    return PATCH_GROUP in [str(g).strip() for g in (groups or [])]
 
 
 def _x0_round_trip(x: Any, v: Any, sigma: Any) -> Any:
