@@ -65,6 +65,19 @@ def test_ocr_pool_round_trip_dispatch_and_worker_error():
     assert get_reward_pools() == {}
 
 
+def _wait_until_dead(ray_module, actor, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray_module.get(actor.ready.remote(), timeout=5)
+        except ray_module.exceptions.RayActorError:
+            return
+        except ray_module.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError("the killed reward worker still answers")
+
+
 def test_pool_cpu_only_placement_and_dead_worker(local_ray):
     from miles.config.errors import ConfigError
     from miles.rollout.rm_hub.pool import RewardPool, reward_types_in_use
@@ -81,6 +94,7 @@ def test_pool_cpu_only_placement_and_dead_worker(local_ray):
         samples = [Sample(index=i, group_index=0, prompt="x", image=im) for i, im in enumerate(images)]
         assert pool.score_sync(samples) == jpeg_compressibility(images)
         local_ray.kill(pool.workers[0])
+        _wait_until_dead(local_ray, pool.workers[0])  # ray.kill returns before the actor is gone
         start = time.monotonic()
         with pytest.raises(RewardError, match=r"'jpeg_compressibility' worker 0 failed on 3 samples: sample 0"):
             asyncio.run(pool.score(samples))
