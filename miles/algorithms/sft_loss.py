@@ -128,14 +128,17 @@ def sft_loss(
     x0: torch.Tensor,
     noise: torch.Tensor,
     sigma: Scalar | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Flow-matching loss `mean((v_pred - (noise - x0))**2)` over all elements.
+    """Flow-matching loss `mean((v_pred - (noise - x0))**2)` over all elements (or the `mask` ones).
 
     v_pred  the model's velocity at `noisy_latents(x0, noise, sigma)`, `[B, ...]` (carries the graph)
     x0      clean latents `[B, ...]` (treated as data: detached)
     noise   the noise used to build the model input, `[B, ...]` (detached)
     sigma   optional (number, 0-d or `[B]`); it does not weight the loss, it only adds the x0-space
             diagnostic `x0_mse = mean(sigma**2 * (v_pred - target)**2)` (the error of `x_t - sigma * v_pred`)
+    mask    optional bool tensor of one sample's shape (the family's `data_mask`, e.g. LTX-2's video channels):
+            only its True elements carry data, and loss and metrics are means over them
 
     Metrics: loss, target_abs_mean, pred_abs_mean, and x0_mse when `sigma` is given.
     """
@@ -143,6 +146,11 @@ def sft_loss(
         raise ValueError(
             f"v_pred {tuple(v_pred.shape)}, x0 {tuple(x0.shape)} and noise {tuple(noise.shape)} must match"
         )
+    if mask is not None:
+        if mask.dtype != torch.bool or tuple(mask.shape) != tuple(x0.shape[1:]):
+            raise ValueError(f"mask must be a bool tensor of one sample's shape {tuple(x0.shape[1:])}")
+        keep = mask.to(v_pred.device).flatten()
+        v_pred, x0, noise = (t.flatten(1)[:, keep] for t in (v_pred, x0, noise))
     v_pred = promote(v_pred)
     target = flow_matching_target(x0.detach(), noise.detach()).to(v_pred.dtype)
     err = v_pred - target

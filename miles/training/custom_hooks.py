@@ -27,7 +27,8 @@ and `Sample` is `miles.rollout.types.Sample`.
     (`miles.training.pairs.flow_grpo_batch`: latents, next_latents, timesteps, sigmas, next_sigmas,
     sigma_max, old_log_probs, advantages, guidance_scale, sde_type, noise_level, pairs); in `train sft`
     it is latents (noised), timesteps, sigmas, clean_latents, noise, data_mask (the family's `data_mask`: the
-    elements the data carries, e.g. LTX-2's video channels; None for every other family) and pairs.
+    elements the data carries, e.g. LTX-2's video channels; None for every other family; pass it as
+    `sft_loss(..., mask=batch["data_mask"])`) and pairs.
 
 --custom-loss-function-path  (--loss-type custom_loss)
     loss(args, batch: dict, model_output: Tensor) -> (loss: Tensor, metrics: dict[str, float])

@@ -324,10 +324,8 @@ class Trainer:
                 inputs |= {"noise": noise, "guidance_scale": None, "data_mask": data_mask}
                 return self.hooks.custom_micro(self, batch, inputs)
             v = self.velocity(x_t, sigma * 1000.0, [p.sample for p in batch], None)
-            if data_mask is not None:  # only these elements carry data (e.g. LTX-2's video, not its audio)
-                keep = data_mask.to(v.device).flatten()
-                v, clean, noise = (t.flatten(1)[:, keep] for t in (v, clean, noise))
-            return sft_loss(v, clean, noise, sigma)
+            # data_mask: only these elements carry data (e.g. LTX-2's video, not its audio)
+            return sft_loss(v, clean, noise, sigma, mask=data_mask)
 
         metrics = self._step(pairs, micro)
         metrics["train_time"] = time.perf_counter() - start

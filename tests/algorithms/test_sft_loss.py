@@ -39,6 +39,23 @@ def test_gradient_sign_moves_the_prediction_to_the_target():
     assert new_loss.item() < loss.item()
 
 
+def test_mask_averages_over_the_data_elements_only():
+    x0, noise = _data()
+    mask = torch.zeros(4, 8, 8, dtype=torch.bool)
+    mask[:3] = True  # e.g. LTX-2: video channels carry data, the rest does not
+    v = torch.randn_like(x0).requires_grad_(True)
+    loss, m = sft_loss(v, x0, noise, sigma=torch.tensor([0.2, 0.5, 0.8], dtype=D), mask=mask)
+    expected = ((v[:, :3] - (noise[:, :3] - x0[:, :3])) ** 2).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12) and m["loss"] == loss.item()
+    loss.backward()
+    assert not v.grad[:, 3:].any() and v.grad[:, :3].abs().min() > 0  # no gradient outside the mask
+    other = x0.clone()
+    other[:, 3:] = 100.0  # whatever lies outside the mask changes nothing
+    assert sft_loss(v, other, noise, mask=mask)[0].item() == loss.item()
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        sft_loss(v, x0, noise, mask=mask.float())
+
+
 def test_x0_mse_diagnostic_is_the_x0_space_error():
     x0, noise = _data()
     sigma = torch.tensor([0.2, 0.5, 0.8], dtype=D)

@@ -79,11 +79,7 @@ def flow_matching_loss(args: Any, batch: dict[str, Any], model_output: torch.Ten
 
 def sft_as_custom_loss(args: Any, batch: dict[str, Any], model_output: torch.Tensor):
     """sft_loss on the default `train sft` batch (over the family's `data_mask` elements when it has one)."""
-    v, clean, noise = model_output, batch["clean_latents"], batch["noise"]
-    if batch["data_mask"] is not None:
-        keep = batch["data_mask"].flatten()
-        v, clean, noise = (t.flatten(1)[:, keep] for t in (v, clean, noise))
-    return sft_loss(v, clean, noise, batch["sigmas"])
+    return sft_loss(model_output, batch["clean_latents"], batch["noise"], batch["sigmas"], mask=batch["data_mask"])
 
 
 # ---- hooks that return the wrong thing ------------------------------------------------------------
