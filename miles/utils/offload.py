@@ -111,7 +111,10 @@ def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
 def own_memory(modules: Iterable[torch.nn.Module]) -> int:
     """Copy every parameter and buffer that lives in memory torch did not allocate (a safetensors mmap, a
     numpy array) into torch's own memory, once; returns the count. An engine does this at load, so its
-    weights compute the same before and after an offload round trip (which needs resizable storages)."""
+    weights compute the same before and after an offload round trip (which needs resizable storages), and the
+    same as the trainer's: a safetensors mmap puts a tensor at any byte offset, and CPU GEMM kernels round
+    differently on unaligned operands (tiny-cosmos3's velocity moved 4.8e-7), while torch's allocator (and so
+    FSDP2's) aligns every storage to 64 bytes."""
     count = 0
     with torch.no_grad():
         for tensor in module_tensors(modules):

@@ -70,7 +70,14 @@ def test_frozen_recompute_equals_the_engine(family_rollout) -> None:
     blocks = [b for name in lists for b in getattr(trainer.model, name)]
     assert len(blocks) >= 2 * len(lists) and all(isinstance(b, FSDPModule) for b in blocks)
     metrics = trainer.train(0, batch.samples)
-    assert metrics["log_prob_mean_abs_diff"] <= 1e-6
+    if trainer.family.name == "cosmos3":
+        # one sample per forward on both sides, the same fp32 weights in aligned memory (the engine copies its
+        # safetensors mmap into torch's own storage, FSDP2 allocates its own): the recompute is bit-equal
+        assert metrics["log_prob_mean_abs_diff"] == 0.0
+    else:
+        # flux and qwen_image land at ~5e-8 when the engine and the trainer share this one process (their jobs,
+        # each in its own actor, log 0.0: README "Model families"); the cause is not pinned down
+        assert metrics["log_prob_mean_abs_diff"] <= 1e-6
     assert all(s.conditions.negative is not None for s in batch.samples)  # both recipes run a negative branch
 
 

@@ -73,6 +73,17 @@ def test_memory_torch_did_not_allocate_is_made_torch_own() -> None:
     assert module.table.tolist() == list(range(8))
 
 
+def test_own_memory_aligns_a_tensor_at_an_odd_offset() -> None:
+    # a safetensors mmap places tensors at any byte offset: 4 bytes into a numpy buffer (numpy aligns to 16)
+    weight = torch.from_numpy(np.arange(17, dtype=np.float32)[1:]).view(4, 4)
+    module = torch.nn.Linear(4, 4, bias=False)
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    assert module.weight.data_ptr() % 64 != 0
+    assert own_memory([module]) == 1
+    assert module.weight.data_ptr() % 64 == 0  # CPU GEMM kernels take the aligned path, as on the trainer's copy
+    assert module.weight.flatten().tolist() == list(range(1, 17))
+
+
 def test_foreign_memory_shared_by_two_tensors_stays() -> None:
     base = torch.from_numpy(np.ones(8, dtype=np.float32))
     halves = [base[:4], base[4:]]
