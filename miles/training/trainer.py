@@ -37,6 +37,7 @@ from miles.training.model import (
 )
 from miles.training.pairs import Pair, dp_shard, expand_flow_grpo, flow_grpo_batch, micro_batches, stack_conditions
 from miles.training.parallel import build_layout, process_group_backend, timeout_of
+from miles.training.step_metrics import all_reduce_mean, is_max, model_output_diffs
 
 
 def init_distributed(args: Any, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -156,7 +157,7 @@ class Trainer:
                 first_diff = metrics.get("log_prob_mean_abs_diff")
             for k, v in metrics.items():
                 totals.setdefault(k, []).append(v)
-        out = {k: max(v) if _is_max(k) else sum(v) / len(v) for k, v in totals.items()}
+        out = {k: max(v) if is_max(k) else sum(v) / len(v) for k, v in totals.items()}
         if first_diff is not None:
             # the engine-trainer difference alone: measured before this rollout's first update, whereas
             # log_prob_mean_abs_diff averages all optimizer steps and so includes the policy's own drift
@@ -181,7 +182,7 @@ class Trainer:
                 scaled = loss * weight
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             for k, v in metrics.items():
-                sums[k] = max(sums.get(k, 0.0), v) if _is_max(k) else sums.get(k, 0.0) + v * weight
+                sums[k] = max(sums.get(k, 0.0), v) if is_max(k) else sums.get(k, 0.0) + v * weight
         if not skip:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
@@ -197,7 +198,7 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update(self._trainable_named(), module=self.model)
         sums["lr"] = float(self.scheduler.get_lr())
-        return _all_reduce_mean(sums, self.world_size)
+        return all_reduce_mean(sums, self.world_size)
 
     def _expand(self, window: list[Sample]) -> list[Pair]:
         """The built-in expansion of one window: NFT's trained sigmas, else every recorded SDE transition."""
@@ -481,34 +482,3 @@ class Trainer:
         if self._offloader is None:
             return {"bytes": 0.0, "seconds": 0.0}
         return self._offloader.onload().as_metrics()
-
-
-def model_output_diffs(v: torch.Tensor, batch: Sequence[Pair]) -> dict[str, float]:
-    """`model_output_mean_abs_diff` / `_max_abs_diff`: the trainer's model output against the one the engine
-    recorded at the same step (--diffusion-debug-mode); nothing when a sample has no debug tensors."""
-    recorded = [p.sample.trajectory.debug_model_outputs for p in batch]  # type: ignore[union-attr]
-    if not batch or any(r is None for r in recorded):
-        return {}
-    engine = torch.stack([r[p.step] for r, p in zip(recorded, batch, strict=True)]).float()  # type: ignore[index]
-    diff = (v.detach().float().cpu() - engine).abs()
-    return {"model_output_mean_abs_diff": float(diff.mean()), "model_output_max_abs_diff": float(diff.max())}
-
-
-def _is_max(key: str) -> bool:
-    """Metrics aggregated by their maximum (over micro-batches, steps and ranks), not their mean."""
-    return key.endswith("_max_abs_diff")
-
-
-def _all_reduce_mean(metrics: dict[str, float], world: int) -> dict[str, float]:
-    if world == 1 or not dist.is_initialized():
-        return metrics
-    keys = sorted(k for k in metrics if not _is_max(k))
-    maxed = sorted(k for k in metrics if _is_max(k))
-    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(values)
-    out = {k: float(v) / world for k, v in zip(keys, values.tolist(), strict=True)}
-    if maxed:
-        peaks = torch.tensor([metrics[k] for k in maxed], dtype=torch.float64)
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        out.update(zip(maxed, peaks.tolist(), strict=True))
-    return out
