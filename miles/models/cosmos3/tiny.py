@@ -38,6 +38,7 @@ from miles.models.tiny.build import (
     build_atomically,
     library_versions,
     phase_timer,
+    pipeline_report,
     score_and_save_classifier,
 )
 from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE, current_design
@@ -172,10 +173,6 @@ def make_pipeline(transformer: Any, tokenizer: Any, vae: Any) -> Any:
     )
 
 
-def count_params(module: Any) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def build_tiny_cosmos3(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
@@ -229,16 +226,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             pipe = make_pipeline(transformer, tokenizer, vae)
             with quiet_loading():
                 pipe.save_pretrained(tmp)
-        params = {"transformer": count_params(transformer), "vae": count_params(vae)}
-        report = BuildReport(
-            out_dir=tmp,
-            seconds=round(time.perf_counter() - start, 3),
-            phase_seconds=timings,
-            classifier_test_accuracy=clf_meta["test_accuracy"],
-            vae_test_mse=vae_mse,
-            vae_recon_accuracy=recon_acc,
-            params=params,
-        )
+        report = pipeline_report(pipe, tmp, start, timings, clf_meta["test_accuracy"], vae_mse, recon_acc)
         vae_meta = {
             "latents_mean": latents_mean,
             "latents_std": latents_std,

@@ -44,6 +44,7 @@ from miles.models.tiny.build import (
     build_atomically,
     library_versions,
     phase_timer,
+    pipeline_report,
     score_and_save_video_classifier,
 )
 from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE, current_design
@@ -316,10 +317,6 @@ def make_scheduler() -> Any:
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
-def count_params(module: Any) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def set_video_latent_stats(vae: Any, videos: Any, batch_size: int = 32) -> tuple[list[float], list[float]]:
     """Per-channel `latents_mean` / `latents_std` (the LTX-2 video VAE's buffers) from the posterior means of
     `videos`, so the pipeline's normalised latents are zero-mean, unit-variance per channel on the data."""
@@ -403,23 +400,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             )
             with quiet_loading():
                 pipe.save_pretrained(tmp)
-        params = {
-            "transformer": count_params(transformer),
-            "vae": count_params(vae),
-            "audio_vae": count_params(audio_vae),
-            "vocoder": count_params(vocoder),
-            "text_encoder": count_params(text_encoder),
-            "connectors": count_params(connectors),
-        }
-        report = BuildReport(
-            out_dir=tmp,
-            seconds=round(time.perf_counter() - start, 3),
-            phase_seconds=timings,
-            classifier_test_accuracy=clf_meta["test_accuracy"],
-            vae_test_mse=vae_mse,
-            vae_recon_accuracy=frame_acc,
-            params=params,
-        )
+        report = pipeline_report(pipe, tmp, start, timings, clf_meta["test_accuracy"], vae_mse, frame_acc)
         tokens = {"vocab_size": len(tokenizer), "digit_prompt_tokens": prompt_tokens}
         vae_meta = {
             "latents_mean": latents_mean,

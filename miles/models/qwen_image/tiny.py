@@ -36,6 +36,7 @@ from miles.models.tiny.build import (
     build_atomically,
     library_versions,
     phase_timer,
+    pipeline_report,
     score_and_save_classifier,
 )
 from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE
@@ -172,10 +173,6 @@ def make_scheduler() -> Any:
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
-def count_params(module: Any) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def _single_frame_conv_forward(conv: Any, x: Any, cache_x: Any = None) -> Any:
     """A causal Conv3d on one frame with no cache, as the 2-D conv it equals.
 
@@ -285,20 +282,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             )
             with quiet_loading():
                 pipe.save_pretrained(tmp)
-        params = {
-            "transformer": count_params(transformer),
-            "vae": count_params(vae),
-            "text_encoder": count_params(text_encoder),
-        }
-        report = BuildReport(
-            out_dir=tmp,
-            seconds=round(time.perf_counter() - start, 3),
-            phase_seconds=timings,
-            classifier_test_accuracy=clf_meta["test_accuracy"],
-            vae_test_mse=vae_mse,
-            vae_recon_accuracy=recon_acc,
-            params=params,
-        )
+        report = pipeline_report(pipe, tmp, start, timings, clf_meta["test_accuracy"], vae_mse, recon_acc)
         tokens = {
             "vocab_size": ids["vocab_size"],
             "template_drop": drop,

@@ -63,6 +63,35 @@ class Progress:
             self.bar.advance(self.task, n)
 
 
+def pipeline_report(
+    pipe: Any,
+    out_dir: Path,
+    start: float,
+    timings: dict[str, float],
+    classifier_accuracy: float,
+    vae_test_mse: float,
+    vae_recon_accuracy: float,
+) -> BuildReport:
+    """A finished build's report: its time since `start` (`time.perf_counter()`), the phases, the classifier's
+    and the VAE's scores, and the parameter count of each torch component of `pipe`."""
+    import torch
+
+    params = {
+        key: sum(p.numel() for p in module.parameters())
+        for key, module in pipe.components.items()
+        if isinstance(module, torch.nn.Module)
+    }
+    return BuildReport(
+        out_dir=out_dir,
+        seconds=round(time.perf_counter() - start, 3),
+        phase_seconds=timings,
+        classifier_test_accuracy=classifier_accuracy,
+        vae_test_mse=vae_test_mse,
+        vae_recon_accuracy=vae_recon_accuracy,
+        params=params,
+    )
+
+
 def build_atomically(out_dir: str | Path, build_into: Callable[[Path], BuildReport]) -> BuildReport:
     """Every tiny build's frame: refuse a non-empty `out_dir`, run `build_into` in a temp sibling that is
     renamed into place (an interrupted build leaves nothing), and report the final directory."""
@@ -239,21 +268,8 @@ def finish_image_build(
     report as `metadata_file` (tiny-sd3 and tiny-flux)."""
     import json
 
-    import torch
-
-    params = {
-        key: sum(p.numel() for p in module.parameters())
-        for key, module in pipe.components.items()
-        if isinstance(module, torch.nn.Module)
-    }
-    report = BuildReport(
-        out_dir=out_dir,
-        seconds=round(time.perf_counter() - start, 3),
-        phase_seconds=timings,
-        classifier_test_accuracy=fit.classifier_meta["test_accuracy"],
-        vae_test_mse=fit.test_mse,
-        vae_recon_accuracy=fit.recon_accuracy,
-        params=params,
+    report = pipeline_report(
+        pipe, out_dir, start, timings, fit.classifier_meta["test_accuracy"], fit.test_mse, fit.recon_accuracy
     )
     meta = image_build_metadata(name, seed, vae_steps, fit, report, sglang_model_id)
     (out_dir / metadata_file).write_text(json.dumps(meta, indent=2) + "\n")

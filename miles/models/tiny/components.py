@@ -100,7 +100,3 @@ def make_vae(seed: int) -> Any:
         use_post_quant_conv=False,
         mid_block_add_attention=False,
     )
-
-
-def count_params(module: Any) -> int:
-    return sum(p.numel() for p in module.parameters())

@@ -43,6 +43,7 @@ from miles.models.tiny.build import (
     build_atomically,
     library_versions,
     phase_timer,
+    pipeline_report,
     score_and_save_video_classifier,
 )
 from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE, current_design
@@ -249,10 +250,6 @@ def make_scheduler() -> Any:
     return UniPCMultistepScheduler(**SCHEDULER_CONFIG)
 
 
-def count_params(module: Any) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def build_tiny_wan2_2(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
@@ -319,21 +316,7 @@ def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildRe
             )
             with quiet_loading():
                 pipe.save_pretrained(tmp)
-        params = {
-            "transformer": count_params(transformer),
-            "transformer_2": count_params(transformer_2),
-            "vae": count_params(vae),
-            "text_encoder": count_params(text_encoder),
-        }
-        report = BuildReport(
-            out_dir=tmp,
-            seconds=round(time.perf_counter() - start, 3),
-            phase_seconds=timings,
-            classifier_test_accuracy=clf_meta["test_accuracy"],
-            vae_test_mse=vae_mse,
-            vae_recon_accuracy=frame_acc,
-            params=params,
-        )
+        report = pipeline_report(pipe, tmp, start, timings, clf_meta["test_accuracy"], vae_mse, frame_acc)
         tokens = {"vocab_size": len(tokenizer), "digit_prompt_tokens": prompt_tokens}
         vae_meta = {
             "latents_mean": latents_mean,
