@@ -68,7 +68,8 @@ class SglangAdapter:
 
     def engine_module(self, module: str) -> tuple[str, list[str]]:
         """(the name sglang's port of the DiT gives module `module`, the modules whose tensors make it up):
-        a member of a fused module maps to the fused one and its members, any other module to itself."""
+        a member of a fused module maps to the fused one and its members, any other module to itself (a family
+        may rename it, or give "" for a module its port drops)."""
         for fused, members in self.sglang_fused_modules.items():
             for member in members:
                 if module == member or module.endswith("." + member):
@@ -85,10 +86,12 @@ class SglangAdapter:
         out: dict[str, Any] = {}
         groups: dict[str, list[str]] = {}
         for name, tensor in tensors.items():
-            module, _, leaf = name.rpartition(".")
+            module, dot, leaf = name.rpartition(".")
             engine, members = self.engine_module(module)
-            if members == [module]:
-                out[name] = tensor
+            if module and not engine:
+                continue  # a module sglang's port drops
+            if len(members) == 1:
+                out[f"{engine}{dot}{leaf}"] = tensor  # renamed, or the same name
             else:
                 groups[f"{engine}.{leaf}"] = [f"{m}.{leaf}" for m in members]
         for name, parts in groups.items():

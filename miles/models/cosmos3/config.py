@@ -306,22 +306,7 @@ class Cosmos3TrainPipelineConfig(TrainPipelineConfig):
         zero-padded to a multiple of `sglang_vocab_padding` (sglang's VocabParallelEmbedding)."""
         import torch
 
-        out: dict[str, Any] = {}
-        groups: dict[str, list[str]] = {}
-        for name, tensor in tensors.items():
-            module, dot, leaf = name.rpartition(".")
-            engine, members = self.engine_module(module)
-            if not engine:
-                continue
-            if len(members) == 1:
-                out[f"{engine}{dot}{leaf}"] = tensor
-            else:
-                groups[f"{engine}.{leaf}"] = [f"{m}.{leaf}" for m in members]
-        for name, parts in groups.items():
-            missing = [p for p in parts if p not in tensors]
-            if missing:
-                raise ValueError(f"{name} (fused by sglang) needs {missing} too")
-            out[name] = torch.cat([tensors[p] for p in parts])
+        out = super().to_engine_tensors(tensors)
         embed = "language_model.embed_tokens.weight"
         if embed in out:
             rows = int(out[embed].shape[0])
