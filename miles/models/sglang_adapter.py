@@ -42,12 +42,6 @@ class SglangAdapter:
     sglang_precision_reason: ClassVar[str] = ""
     sglang_unserved: ClassVar[str] = ""  # why sglang cannot serve this family's rollouts at all ("" = it can)
 
-    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float | None = None) -> float:
-        raise NotImplementedError
-
-    def embedded_guidance(self, guidance_scale: float) -> float | None:
-        raise NotImplementedError
-
     def sglang_server_options(self, precision: str, guidance_scale: float | None = None) -> dict[str, Any]:
         """`sglang serve` options this family needs: one precision per text encoder and, under embedded
         guidance, `--embedded-cfg-scale` (sglang reads that guidance from the server, not the request)."""
@@ -78,9 +72,9 @@ class SglangAdapter:
         return module, [module]
 
     def to_engine_tensors(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        """Named DiT tensors -> the names and tensors sglang's port holds (its weight checker's view): the
-        members of a fused module concatenated along dim 0 under the fused name; a fused module must come
-        with all its members."""
+        """Named DiT tensors -> the names and tensors sglang's port holds (its weight checker's view): renamed
+        as `engine_module` says, a dropped module left out, the members of a fused module concatenated along
+        dim 0 under the fused name (a fused module must come with all its members)."""
         import torch
 
         out: dict[str, Any] = {}
