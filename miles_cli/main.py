@@ -85,6 +85,20 @@ def _meta_params(inspect_config: bool = False, plan: bool = False) -> list[inspe
                 ),
             )
         )
+    if inspect_config:
+        params.append(
+            _kw(
+                "check",
+                bool,
+                typer.Option(
+                    False,
+                    "--check",
+                    help="Also run the preflight (model paths, data files, hooks, --load, outputs, GPUs) as a job "
+                    "would before it starts; exit 2 on any problem.",
+                    rich_help_panel=META_PANEL,
+                ),
+            )
+        )
     if inspect_config or plan:
         params += [
             _kw(
@@ -131,6 +145,9 @@ def _run_job(job: str, ctx: typer.Context, kwargs: dict[str, Any], replay_path: 
     resolved = _resolve_from_cli(ctx, job, kwargs, replay_path)
     print_warnings(resolved.warnings)
     print_trainer_tables(resolved, show_all=kwargs.get("show_all", False))
+    from miles.preflight import preflight
+
+    preflight(resolved)  # every input checked, every problem at once, before Ray starts or a model is built
     from miles.runtime import dispatch
 
     return dispatch(resolved)  # the driver's exit code (e.g. 1 when the --ci-test metric check fails)
@@ -192,6 +209,19 @@ def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
         cluster_text = kwargs.get("cluster")
         cluster = parse_cluster(cluster_text) if cluster_text else flags_cluster(resolved.args)
         print_plan(make_plan(resolved.args, cluster, resolved.spec))
+    if kwargs.get("check"):
+        _check(resolved, to_stdout=fmt == "table")
+
+
+def _check(resolved: Any, to_stdout: bool) -> None:
+    """`inspect-config --check`: the preflight alone; ConfigError (exit 2) listing the problems."""
+    from miles.preflight import problems_message, run_checks
+
+    report = run_checks(resolved)
+    if report.problems:
+        raise ConfigError(problems_message(report.problems))
+    line = f"miles: preflight passed ({report.checks} checks, {report.seconds:.2f} s)"
+    print(line, file=sys.stdout if to_stdout else sys.stderr)
 
 
 app.command("inspect-config", context_settings=_CONTEXT, rich_help_panel="Config")(

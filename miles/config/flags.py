@@ -10,6 +10,7 @@ output of `inspect-config`.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class Flag:
         line (or in the custom YAML) for another job is an error naming both.
     min / max: inclusive bounds for INT / FLOAT (and for each item of INT_LIST / INT_RANGE).
     metavar: shown in --help.
+    allow_inf: a FLOAT flag whose reference gives +-infinity a meaning (e.g. "no limit"); every other
+        FLOAT refuses it. NaN is refused by every flag.
     """
 
     name: str
@@ -65,6 +68,7 @@ class Flag:
     min: float | None = None
     max: float | None = None
     metavar: str | None = None
+    allow_inf: bool = False
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -93,15 +97,37 @@ class Flag:
         """Parse `raw` (a CLI string or a YAML value) into this flag's type.
 
         `where` names the source for the error message, e.g. "--lr" or "recipe.yaml: key 'lr'".
+        None (a YAML `null`, `~` or empty value) means unset, except for a number whose default is not None:
+        there it is refused, since every consumer reads a number.
         """
         if raw is None:
+            if self.kind in (INT, FLOAT) and self.default is not None:
+                default = self.format(self.default)
+                raise ConfigError(
+                    f"{where}: expected a number, got null; remove the key to keep the default {default}"
+                )
             return None
         try:
             value = _PARSERS[self.kind](self, raw)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
+        if self.kind == FLOAT:
+            self._check_finite(value, raw, where)
         self._check_bounds(value, where)
         return value
+
+    def _check_finite(self, value: float, raw: Any, where: str) -> None:
+        if math.isfinite(value) or (self.allow_inf and not math.isnan(value)):
+            return
+        shown = str(raw).strip()[:40] if isinstance(raw, str) else str(value)
+        if math.isnan(value):
+            what = "is not a number"
+        elif "inf" in shown.lower():
+            what = "is infinite"
+        else:
+            what = "overflows to infinity"
+        expected = "a number (inf is allowed)" if self.allow_inf else "a finite number"
+        raise ConfigError(f"{where}: {shown} {what}; expected {expected}")
 
     def _check_bounds(self, value: Any, where: str) -> None:
         if value is None:

@@ -45,29 +45,28 @@ class ConfigFile:
 
 
 def load_config_file(path: Path, label: str | None = None) -> ConfigFile:
-    """Parse a YAML mapping, keeping the line of each top-level key for error messages."""
-    import yaml  # only when a file is read: keeps `miles --help` lean
+    """Parse a YAML mapping, keeping the line of each top-level key for error messages. A key given twice
+    (at any depth) is a ConfigError naming both lines."""
+    from miles.config.yaml_file import load_yaml
 
     label = label or str(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{label}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{label}: is a directory, not a YAML file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{label}: not a text file (invalid UTF-8 at byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(f"{label}: cannot read ({exc.strerror})") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{label}{line}: invalid YAML: {exc.problem}") from None
+    data, node = load_yaml(text, label)
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{label}: expected a mapping of keys to values at the top level")
     lines: dict[str, int] = {}
-    if node is not None and hasattr(node, "value") and isinstance(node.value, list):
+    if node is not None and isinstance(node.value, list):
         for key_node, _ in node.value:
             lines[str(key_node.value)] = key_node.start_mark.line + 1
     return ConfigFile(path=path, label=label, data=data, lines=lines)

@@ -2,6 +2,10 @@
 
 Layout (a `torch.save` of a plain dict):
     {"rollout_id": int | str, "samples": [Sample.to_dict(), ...], "extra": dict | None}
+`extra["model"]` (`MODEL_KEY`), when the writer passed `model=`, records what the rollout was made with: the
+model family, the checkpoint and its denoiser's shape facts (`miles.models.model_record`); `miles replay`
+refuses a file whose record differs from the job's checkpoint. Files written without it still load (nothing to
+compare).
 Only tensors, numbers, bools, None, strings, lists/tuples and dicts with str keys may appear, so
 loading never runs code. Saving anything else is refused with the key path of the offender
 (e.g. `samples[3].metadata.foo`). Files are written atomically (temp file + `os.replace`).
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +34,7 @@ T = TypeVar("T")
 _ALLOWED = "tensors, numbers, bools, None, strings, lists/tuples and dicts with str keys"
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MODEL_KEY = "model"
 
 
 def _child(where: str, key: str) -> str:
@@ -72,9 +77,14 @@ def save_rollout(
     rollout_id: int | str,
     samples: Sequence[Sample | dict[str, Any]],
     extra: dict[str, Any] | None = None,
+    *,
+    model: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write one rollout to `path` atomically; returns the path."""
+    """Write one rollout to `path` atomically; returns the path. `model` (`model_record_of(args)`) is kept as
+    `extra["model"]`, what replay checks the job's checkpoint against."""
     path = Path(path)
+    if model is not None:
+        extra = {**(extra or {}), MODEL_KEY: dict(model)}
     rows = [sample.to_dict() if isinstance(sample, Sample) else sample for sample in samples]
     payload = {"rollout_id": rollout_id, "samples": rows, "extra": extra}
     check_serializable(rollout_id, "rollout_id")
@@ -171,3 +181,9 @@ def subsample_rollout(rows: Sequence[T], ratio: float | None, *, group_size: int
     head = keep // 2
     chosen = units[:head] + units[len(units) - (keep - head) :]
     return [row for unit in chosen for row in unit]
+
+
+def rollout_model(extra: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The model record a rollout file was written with (`extra["model"]`), or None for an older file."""
+    record = (extra or {}).get(MODEL_KEY)
+    return record if isinstance(record, dict) else None

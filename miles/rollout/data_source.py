@@ -1,6 +1,7 @@
-"""Prompt data sources: the JSONL reader, the global data set with per-epoch shuffling, and the buffer.
+"""Prompt data sources: the global data set with per-epoch shuffling, and the buffer.
 
-Prompt JSONL, one object per line (blank lines are skipped):
+Prompt JSONL, one object per line (blank lines are skipped), read by the streaming reader of
+`miles.rollout.prompt_file` (re-exported here: `iter_jsonl_objects`, `load_prompt_jsonl`, `PromptRecord`):
     {"input": "a photo of a cat", "metadata": {"rm_type": "ocr"}}
 `--input-key` names the prompt (a required, non-empty string); `--metadata-key` names an optional dict.
 `--prompt-data` is a file path or a built-in data set name such as `digits:train`.
@@ -24,14 +25,17 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from miles.config.errors import ConfigError
+from miles.rollout.prompt_file import MAX_LINE_BYTES as MAX_LINE_BYTES
+from miles.rollout.prompt_file import PromptRecord as PromptRecord
+from miles.rollout.prompt_file import iter_jsonl_objects as iter_jsonl_objects
+from miles.rollout.prompt_file import load_prompt_jsonl as load_prompt_jsonl
 from miles.rollout.seeds import group_sample_seeds
 from miles.rollout.types import Sample
 from miles.utils.atomic import atomic_write_text
@@ -40,81 +44,6 @@ from miles.utils.hooks import load_class, load_function
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    """One line of a prompt JSONL file."""
-
-    prompt: str
-    metadata: dict[str, Any] = field(default_factory=dict)
-    line: int = 0
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a bool", type(None): "null"}.get(
-        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__
-    )
-
-
-def _keys(row: dict[str, Any], limit: int = 8) -> str:
-    keys = sorted(row)
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return (shown + f", ... ({len(keys)} keys)") if len(keys) > limit else (shown or "none")
-
-
-def iter_jsonl_objects(
-    path: str | os.PathLike, what: str = "prompt data"
-) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """`(file:line, line, object)` for every non-blank line of a JSONL file; any problem is a one-line ConfigError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{what} file not found: {path}")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
-    for lineno, raw_bytes in enumerate(data.split(b"\n"), start=1):
-        where = f"{path}:{lineno}"
-        try:
-            raw = raw_bytes.decode("utf-8-sig" if lineno == 1 else "utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{where}: not UTF-8 text ({exc.reason} at column {exc.start + 1})") from None
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{where}: expected a JSON object, got {_kind(row)}")
-        yield where, lineno, row
-
-
-def load_prompt_jsonl(
-    path: str | os.PathLike,
-    input_key: str = "input",
-    metadata_key: str | None = "metadata",
-) -> list[PromptRecord]:
-    """Read a prompt JSONL file; every problem is a one-line ConfigError naming `file:line`."""
-    records: list[PromptRecord] = []
-    for where, lineno, row in iter_jsonl_objects(path):
-        if input_key not in row:
-            raise ConfigError(f"{where}: missing key {input_key!r} (--input-key); keys: {_keys(row)}")
-        prompt = row[input_key]
-        if not isinstance(prompt, str):
-            raise ConfigError(f"{where}: {input_key!r} must be a string, got {_kind(prompt)}")
-        if not prompt.strip():
-            raise ConfigError(f"{where}: {input_key!r} is empty")
-        metadata: Any = {}
-        if metadata_key is not None and row.get(metadata_key) is not None:
-            metadata = row[metadata_key]
-            if not isinstance(metadata, dict):
-                raise ConfigError(f"{where}: {metadata_key!r} (--metadata-key) must be a dict, got {_kind(metadata)}")
-        records.append(PromptRecord(prompt=prompt, metadata=metadata, line=lineno))
-    if not records:
-        raise ConfigError(f"{path}: no prompts (the file is empty)")
-    return records
 
 
 def resolve_prompt_data(spec: str | os.PathLike) -> Path:

@@ -158,6 +158,6 @@ def _keep_bookkeeping(planned: Sample, done: Sample) -> Sample:
 
 
 def manager_actor_class() -> Any:
-    import ray
+    from miles.utils.actors import owned_remote
 
-    return ray.remote(Dmd2RolloutManager)
+    return owned_remote(Dmd2RolloutManager)

@@ -35,30 +35,34 @@ class EvalDataset:
 def eval_datasets(args: Any) -> list[EvalDataset]:
     n = int(args.n_samples_per_eval_prompt or 1)
     if args.eval_config:
-        import yaml
+        from miles.config.layering import load_config_file
 
         path = Path(args.eval_config)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"--eval-config {path}: no such file") from None
-        rows = (data or {}).get("datasets") if isinstance(data, dict) else None
+        data = load_config_file(path, f"--eval-config {path}").data  # strict: a key given twice is refused
+        rows = data.get("datasets")
         if not isinstance(rows, list) or not rows:
             raise ConfigError(f"--eval-config {path}: expected a mapping with a non-empty 'datasets' list")
         out = []
         for i, row in enumerate(rows):
             if not isinstance(row, dict) or "name" not in row or "path" not in row:
                 raise ConfigError(f"--eval-config {path}: datasets[{i}] needs 'name' and 'path'")
+            where = f"--eval-config {path}: datasets[{i}]"
             out.append(
                 EvalDataset(
                     str(row["name"]),
                     str(row["path"]),
-                    int(row.get("n_samples_per_eval_prompt", n)),
-                    row.get("num_steps"),
+                    _positive_int(row.get("n_samples_per_eval_prompt", n), f"{where}.n_samples_per_eval_prompt"),
+                    None if row.get("num_steps") is None else _positive_int(row["num_steps"], f"{where}.num_steps"),
                 )
             )
         return out
     return [EvalDataset(name, spec, n) for name, spec in (args.eval_prompt_data or {}).items()]
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: expected an integer >= 1, got {value!r}")
+    return value
 
 
 def eval_groups(args: Any, dataset: EvalDataset) -> list[list[Sample]]:

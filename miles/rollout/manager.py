@@ -429,6 +429,6 @@ def _merge(planned: Sample, done: Sample) -> Sample:
 
 
 def manager_actor_class() -> Any:
-    import ray
+    from miles.utils.actors import owned_remote
 
-    return ray.remote(RolloutManager)
+    return owned_remote(RolloutManager)

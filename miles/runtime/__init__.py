@@ -7,9 +7,10 @@ printing args never imports torch or Ray.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import RuntimeUnavailable
+from miles.config.errors import ConfigError, RuntimeUnavailable
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -26,6 +27,31 @@ DRIVERS: dict[str, str] = {
 
 
 def dispatch(resolved: ResolvedJob) -> int | None:
+    """Run the job's driver: what fails inside an actor becomes one line (`miles.runtime.failures`; a user's
+    mistake found there is re-raised as the same ConfigError, exit 2), Ctrl-C/SIGTERM exit 130/143."""
+    module = _driver(resolved)
+    from miles.runtime.failures import report_failure
+    from miles.runtime.signals import JobInterrupted, interrupts, last_checkpoint_line
+
+    args = resolved.args
+    from miles.utils.deadline import set_hook_timeout
+
+    set_hook_timeout(getattr(args, "hook_timeout", None))  # the hooks the driver runs (log functions)
+    with interrupts():
+        try:
+            return module.run(resolved)
+        except JobInterrupted as exc:
+            print(f"miles: interrupted ({exc}); {last_checkpoint_line(args)}", file=sys.stderr, flush=True)
+            return exc.exit_code
+        except ConfigError:
+            raise
+        except Exception as exc:
+            return report_failure(exc, args)
+        finally:
+            set_hook_timeout(None)
+
+
+def _driver(resolved: ResolvedJob) -> Any:
     module_name = DRIVERS[resolved.spec.name]
     try:
         module = importlib.import_module(module_name)
@@ -35,4 +61,4 @@ def dispatch(resolved: ResolvedJob) -> int | None:
         raise RuntimeUnavailable(
             f"the `miles {resolved.spec.command}` runtime is not available yet; the args above resolved cleanly"
         ) from None
-    return module.run(resolved)
+    return module

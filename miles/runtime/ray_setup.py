@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 
 def init_ray(args: Any) -> None:
     """Join the cluster at RAY_ADDRESS when set; otherwise start a new local one sized to this machine (never
-    attach silently to a cluster someone started with `ray start`)."""
+    attach silently to a cluster someone started with `ray start`), with a reaper that ends it if this driver
+    is killed (`miles.runtime.reaper`). Without --verbose, Ray's own output goes to logs/driver.log
+    (`miles.runtime.terminal`)."""
     import ray
 
     if ray.is_initialized():
@@ -20,7 +23,26 @@ def init_ray(args: Any) -> None:
         if name in os.environ:
             env_vars.setdefault(name, os.environ[name])
     runtime_env = {"env_vars": env_vars}
+    verbose = bool(getattr(args, "verbose", False))
+    quiet: dict[str, Any] = {}
+    if not verbose and getattr(args, "output_dir", None):
+        from miles.runtime.terminal import quiet_ray
+        from miles.utils.actors import logs_dir
+
+        quiet_ray(logs_dir(args))
+        quiet = {"configure_logging": False}
+    from miles.runtime.signals import reinstall
+
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-    else:
-        ray.init(address="local", include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **quiet)
+        reinstall()
+        return
+    ray.init(address="local", include_dashboard=False, runtime_env=runtime_env, log_to_driver=True, **quiet)
+    reinstall()
+    from miles.runtime.reaper import start_reaper
+
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    if node is not None:
+        session = node.get_session_dir_path()
+        logging.getLogger("miles.runtime").info("ray session: %s", session)  # driver.log: what the reaper ends
+        start_reaper(session)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from miles.io.dashboard import open_dashboard
 from miles.io.loggers import MetricsLogger
 from miles.io.rollout_file import format_rollout_path, save_rollout
+from miles.models.model_record import model_record_of
 from miles.rollout.rollout_hooks import log_rollout
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
@@ -30,17 +31,17 @@ def run(resolved: ResolvedJob) -> int:
         start = args.start_rollout_id or 0
         dash = open_dashboard(args, resolved.spec.name, resolved.recipe)
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
+        model = model_record_of(args)  # the family and denoiser shapes, checked by `miles replay`
         with progress_bar("rollout", num_rollout - start) as advance:
             for rollout_id in range(start, num_rollout):
                 with dash.span("rollout", rollout_id=rollout_id) as span:
                     batch = ray.get(manager.generate.remote(rollout_id))
                 dash.rollout(rollout_id, span.start, batch.metrics, batch.samples)
                 with dash.span("save", rollout_id=rollout_id):
-                    save_rollout(out / f"rollout_{rollout_id}.pt", rollout_id, batch.samples)
+                    save_rollout(out / f"rollout_{rollout_id}.pt", rollout_id, batch.samples, model=model)
                     if args.save_debug_rollout_data:
-                        save_rollout(
-                            format_rollout_path(args.save_debug_rollout_data, rollout_id), rollout_id, batch.samples
-                        )
+                        template = format_rollout_path(args.save_debug_rollout_data, rollout_id)
+                        save_rollout(template, rollout_id, batch.samples, model=model)
                 if log_rollout(args, rollout_id, batch.samples, batch.metrics):  # the hook replaced the logging
                     advance("")
                     continue

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from miles.runtime.ci_check import metrics_mark
 from miles.runtime.output import prepare_inputs, prepare_output_dir
 from miles.runtime.ray_setup import init_ray
+from miles.utils.actors import tag_for
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -54,14 +55,22 @@ def ray_job(
     prepare_inputs(args)
     init_ray(args)
     manager = None
+    clean = False
     try:
         placement = place(args, resolved.spec)
         print("miles: " + "\n".join(plan_lines(placement.plan, cpu_run=not placement.gpu_mode)), flush=True)
         if manager_class is not None:
-            manager = manager_class().options(num_cpus=0).remote(args, None, True, placement)
+            manager = (
+                manager_class()
+                .options(num_cpus=0)
+                .remote(args, None, True, placement, _miles_tag=tag_for(args, "rollout_manager"))
+            )
         yield JobSession(out, placement, manager, metrics_mark(out))
+        clean = True
     finally:
+        # after a failure or an interrupt the manager gets a few seconds to stop its engines and servers, then
+        # Ray ends every actor (the job's cluster, or the driver's actors on a shared one)
         if manager is not None:
             with contextlib.suppress(Exception):
-                ray.get(manager.shutdown.remote(), timeout=60)
+                ray.get(manager.shutdown.remote(), timeout=60 if clean else 5)
         ray.shutdown()

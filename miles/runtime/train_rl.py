@@ -125,14 +125,18 @@ def save_debug_data(args: Any, rollout_id: int, samples: list[Any], metrics: dic
     """`--save-debug-rollout-data` (the rollout as generated and scored, a file `miles replay` reads) and
     `--save-debug-train-data` (what the trainer trained on, with the step's train metrics), per rollout id."""
     from miles.io.rollout_file import format_rollout_path, save_rollout
+    from miles.models.model_record import model_record_of
 
+    if not (args.save_debug_rollout_data or args.save_debug_train_data):
+        return
+    model = model_record_of(args)  # the family and denoiser shapes, checked by `miles replay`
     if args.save_debug_rollout_data:
-        save_rollout(format_rollout_path(args.save_debug_rollout_data, rollout_id), rollout_id, samples)
+        path = format_rollout_path(args.save_debug_rollout_data, rollout_id)
+        save_rollout(path, rollout_id, samples, model=model)
     if args.save_debug_train_data:
         train = {k: float(v) for k, v in metrics.items() if k.startswith("train/")}
-        save_rollout(
-            format_rollout_path(args.save_debug_train_data, rollout_id), rollout_id, samples, {"metrics": train}
-        )
+        path = format_rollout_path(args.save_debug_train_data, rollout_id)
+        save_rollout(path, rollout_id, samples, {"metrics": train}, model=model)
 
 
 def has_eval_data(args: Any) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 
 from miles.placement.ray_placement import RayPlacement, actor_placement_info
+from miles.utils.actors import owned_remote, tag_for
 
 
 def _free_port() -> tuple[str, int]:
@@ -94,9 +95,11 @@ class TrainerGroup:
         addr, port = ray.get(
             ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=first["scheduling_strategy"]).remote()
         )
-        actor_cls = ray.remote(TrainerActor)
+        actor_cls = owned_remote(TrainerActor)
         self.actors = [
-            actor_cls.options(**placement.options(slot)).remote(args, slot.index, self.world, addr, port, total_steps)
+            actor_cls.options(**placement.options(slot)).remote(
+                args, slot.index, self.world, addr, port, total_steps, _miles_tag=tag_for(args, role, slot.index)
+            )
             for slot in self.slots
         ]
         ray.get([a.ready.remote() for a in self.actors])

@@ -5,10 +5,14 @@ Layout (every iteration is kept):
     <save>/latest_checkpointed_iteration.txt      the step of the newest complete checkpoint
     <save>/iter_{step:07d}/<name>                 one file per part: torch.save'd objects (model.pt, optimizer.pt,
                                                   rng.pt, lr_scheduler.pt, ema.pt, ...) and JSON ones (extra.json)
+    <save>/iter_{step:07d}/manifest.json          every part's size and CRC-32
 
-A save writes every part into a hidden temp folder next to the target (`.iter_{step:07d}.tmp-*`), fsyncs it,
-renames it into place and only then rewrites the pointer file atomically. A crash at any point leaves the previous
-checkpoint loadable: the pointer never names a half-written folder, and loading never reads the hidden temp ones.
+A save writes every part and the manifest into a hidden temp folder next to the target (`.iter_{step:07d}.tmp-*`),
+fsyncs it, renames it into place and only then rewrites the pointer file atomically. A crash at any point leaves the
+previous checkpoint loadable: the pointer never names a half-written folder, and loading never reads the hidden temp
+ones. A file damaged later (a truncated copy, a flipped byte) is caught against the manifest at load, and the latest
+checkpoint falls back to the newest earlier complete one (`checkpoint_index.find_loadable_checkpoint`). The layout
+logic that needs no torch lives in `checkpoint_index` (the preflight reads it); it is re-exported here.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,27 +32,34 @@ import numpy as np
 import torch
 
 from miles.config.errors import ConfigError
+from miles.training.checkpoint_index import (
+    LATEST_FILE,
+    MANIFEST_FILE,
+    LoadChoice,
+    available_steps,
+    find_loadable_checkpoint,
+    iter_dir_name,
+    read_latest_step,
+    resolve_checkpoint_dir,
+    write_manifest,
+)
 from miles.utils.atomic import atomic_write_text
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-def iter_dir_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-def available_steps(ckpt_dir: str | os.PathLike) -> list[int]:
-    """The steps of the complete checkpoints under `ckpt_dir`, ascending."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    steps = []
-    for entry in root.iterdir():
-        match = _ITER_RE.match(entry.name)
-        if match and entry.is_dir():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+__all__ = [
+    "LATEST_FILE",
+    "MANIFEST_FILE",
+    "LoadChoice",
+    "available_steps",
+    "find_loadable_checkpoint",
+    "iter_dir_name",
+    "load_checkpoint",
+    "read_checkpoint",
+    "read_latest_step",
+    "resolve_checkpoint_dir",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -62,7 +73,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _check_name(name: str, *, json_part: bool) -> None:
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name == LATEST_FILE:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name in (LATEST_FILE, MANIFEST_FILE):
         raise ValueError(f"checkpoint part name {name!r} must be a plain file name")
     if json_part != name.endswith(".json"):
         kind = "json_parts" if json_part else "parts"
@@ -105,6 +116,7 @@ def save_checkpoint(
                 handle.write("\n")
                 handle.flush()
                 os.fsync(handle.fileno())
+        write_manifest(tmp, [*parts, *json_parts])
         _fsync_dir(tmp)
         if final.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=root))
@@ -124,50 +136,6 @@ def save_checkpoint(
     return final
 
 
-def read_latest_step(load_dir: str | os.PathLike) -> int | None:
-    """The step in `latest_checkpointed_iteration.txt`, or None when the file is absent."""
-    pointer = Path(load_dir) / LATEST_FILE
-    if not pointer.is_file():
-        return None
-    text = pointer.read_text(encoding="utf-8").strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"--load {load_dir}: {LATEST_FILE} holds {text!r}, not a step number") from None
-
-
-def _show_steps(steps: list[int]) -> str:
-    return ", ".join(map(str, steps)) if steps else "none"
-
-
-def resolve_checkpoint_dir(load_dir: str | os.PathLike, ckpt_step: int | None = None) -> tuple[int, Path]:
-    """(step, folder) of the checkpoint that `--load`/`--ckpt-step` name; ConfigError if there is none."""
-    root = Path(load_dir)
-    if not root.is_dir():
-        raise ConfigError(f"--load {root}: no such checkpoint directory")
-    steps = available_steps(root)
-    if ckpt_step is None:
-        step = read_latest_step(root)
-        if step is None:
-            raise ConfigError(
-                f"--load {root}: no {LATEST_FILE} (not a checkpoint directory, or no save finished); "
-                f"pass --ckpt-step to pick one (available steps: {_show_steps(steps)})"
-            )
-        folder = root / iter_dir_name(step)
-        if not folder.is_dir():
-            raise ConfigError(
-                f"--load {root}: {LATEST_FILE} names step {step} but {folder.name} is missing; "
-                f"pass --ckpt-step (available steps: {_show_steps(steps)})"
-            )
-        return step, folder
-    folder = root / iter_dir_name(ckpt_step)
-    if not folder.is_dir():
-        raise ConfigError(
-            f"--ckpt-step {ckpt_step}: no {folder.name} under --load {root} (available steps: {_show_steps(steps)})"
-        )
-    return ckpt_step, folder
-
-
 def load_checkpoint(
     load_dir: str | os.PathLike,
     ckpt_step: int | None = None,
@@ -176,20 +144,39 @@ def load_checkpoint(
     map_location: Any = "cpu",
     weights_only: bool = True,
 ) -> tuple[int, dict[str, Any]]:
-    """Read a checkpoint: the one `ckpt_step` names, else the one `latest_checkpointed_iteration.txt` names.
-
-    `parts` picks files by name (ConfigError if one is absent, e.g. optimizer.pt after `--no-save-optim`);
-    None reads them all. `.json` files are parsed as JSON, the rest go through torch.load (weights_only by
-    default: tensors, containers and plain values, which is all this package saves).
+    """Read a checkpoint: the one `ckpt_step` names, else the one `latest_checkpointed_iteration.txt` names (or,
+    when that one is damaged, the newest earlier complete one; the warning goes to stderr). See `read_checkpoint`.
     Returns (step, {name: object})."""
-    step, folder = resolve_checkpoint_dir(load_dir, ckpt_step)
+    choice, loaded = read_checkpoint(load_dir, ckpt_step, parts, map_location=map_location, weights_only=weights_only)
+    for warning in choice.warnings:
+        print(f"miles: warning: {warning}", file=sys.stderr, flush=True)
+    return choice.step, loaded
+
+
+def read_checkpoint(
+    load_dir: str | os.PathLike,
+    ckpt_step: int | None = None,
+    parts: Iterable[str] | None = None,
+    *,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+) -> tuple[LoadChoice, dict[str, Any]]:
+    """(the checkpoint chosen, with its warnings; {name: object}).
+
+    The choice is `find_loadable_checkpoint(load_dir, ckpt_step, verify="full")`: every file is checked against
+    the manifest's size and checksum before it is read. `parts` picks files by name (ConfigError if one is absent,
+    e.g. optimizer.pt after `--no-save-optim`); None reads them all. `.json` files are parsed as JSON, the rest go
+    through torch.load (weights_only by default: tensors, containers and plain values, which is all this package
+    saves). A file that does not load (a checkpoint saved before manifests, damaged) is a ConfigError naming it."""
+    choice = find_loadable_checkpoint(load_dir, ckpt_step, verify="full")
+    folder = choice.path
     if parts is None:
-        names = sorted(entry.name for entry in folder.iterdir() if entry.is_file())
+        names = sorted(entry.name for entry in folder.iterdir() if entry.is_file() and entry.name != MANIFEST_FILE)
     else:
         names = list(parts)
         missing = [name for name in names if not (folder / name).is_file()]
         if missing:
-            present = sorted(entry.name for entry in folder.iterdir())
+            present = sorted(entry.name for entry in folder.iterdir() if entry.name != MANIFEST_FILE)
             raise ConfigError(
                 f"checkpoint {folder} has no {', '.join(missing)} (it holds: {', '.join(present) or 'nothing'}); "
                 "a checkpoint saved with --no-save-optim needs --no-load-optim"
@@ -197,11 +184,23 @@ def load_checkpoint(
     loaded: dict[str, Any] = {}
     for name in names:
         path = folder / name
-        if name.endswith(".json"):
-            loaded[name] = json.loads(path.read_text(encoding="utf-8"))
-        else:
-            loaded[name] = torch.load(path, map_location=map_location, weights_only=weights_only)
-    return step, loaded
+        try:
+            if name.endswith(".json"):
+                loaded[name] = json.loads(path.read_text(encoding="utf-8"))
+            else:
+                loaded[name] = torch.load(path, map_location=map_location, weights_only=weights_only)
+        except Exception as exc:  # any failure to read a part is one line naming the file
+            raise ConfigError(
+                f"--load {load_dir}: cannot read {folder.name}/{name} ({_one_line(exc)}); the file is damaged "
+                f"or not a miles checkpoint part (available steps: {', '.join(map(str, available_steps(load_dir)))})"
+            ) from None
+    return choice, loaded
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---- RNG state -------------------------------------------------------------------------------------------

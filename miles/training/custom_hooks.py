@@ -73,7 +73,15 @@ class _Hook:
     fn: Callable[..., Any]
 
     def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
+        try:
+            return self.fn(*args)
+        except HookError:
+            raise
+        except Exception as exc:  # the user's code raised: one line naming the hook, the traceback in the log
+            from miles.utils.actors import log_hint
+
+            detail = (str(exc).strip().splitlines() or [""])[-1]
+            raise self.fail(f"raised {type(exc).__name__}: {detail}{log_hint()}") from exc
 
     def fail(self, what: str) -> HookError:
         return HookError(f"{self.flag} {self.path!r} {what}")

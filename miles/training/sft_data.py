@@ -20,7 +20,7 @@ import torch
 
 from miles.config.errors import ConfigError
 from miles.models.pipeline_config import prompt_geometry
-from miles.rollout.data_source import iter_jsonl_objects
+from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects
 from miles.rollout.types import Conditions, Sample
 
 SFT_CFG_DROPOUT = 0.1
@@ -58,8 +58,7 @@ class SFTDataset:
 def read_rows(path: Path, input_key: str) -> list[dict[str, Any]]:
     rows = []
     for where, _, row in iter_jsonl_objects(path, "SFT data"):
-        if ("image" not in row and "video" not in row) or input_key not in row:
-            raise ConfigError(f"{where}: an SFT row needs 'image' (or 'video') and {input_key!r} (--input-key)")
+        check_sft_row(where, row, input_key)
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: no SFT rows")

@@ -2,7 +2,8 @@
 
 A path is `package.module.attribute` (the longest importable module prefix is used, so
 `pkg.mod.Class.method` works too) or `package.module:attribute`. Every failure is a ConfigError
-of one line naming the flag and the path.
+of one line naming the flag and the path. Every function loaded runs under --hook-timeout
+(`miles.utils.deadline`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.config.errors import ConfigError
+from miles.utils.deadline import timed
 
 
 def _one_line(exc: BaseException) -> str:
@@ -66,7 +68,7 @@ def load_function(path: str, flag: str) -> Callable[..., Any]:
     obj = load_object(path, flag)
     if not callable(obj):
         raise ConfigError(f"{flag} {path!r}: names a {type(obj).__name__}, not a function")
-    return obj
+    return timed(obj, f"{flag} {path}")
 
 
 def load_class(path: str, flag: str) -> type:

@@ -249,6 +249,8 @@ FIXTURE: dict[str, tuple[str, object]] = {
 MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--custom-config-path": (PATH, None),
     "--output-dir": (PATH, None),
+    "--verbose": (BOOL, False),
+    "--hook-timeout": (FLOAT, 1800.0),
     "--rm-url": (STR, None),
     "--teacher-checkpoint": (PATH, None),
     "--dmd2-student-timesteps": (INT_LIST, [999, 749, 499, 249]),

@@ -63,7 +63,7 @@ class Recorder:
     def options(self, **kwargs: Any) -> Recorder:
         return self
 
-    def remote(self, *args: Any) -> Recorder:
+    def remote(self, *args: Any, _miles_tag: Any = None) -> Recorder:
         self.made.append(args)
         return Recorder(self.made, self.info_value)
 

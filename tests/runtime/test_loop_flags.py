@@ -84,7 +84,8 @@ def test_save_debug_data_writes_the_rollout_and_the_train_data(tmp_path: Path) -
     rollout_id, saved, _ = load_rollout(tmp_path / "r" / "7.pt")
     assert rollout_id == 7 and [(s.reward, s.advantage) for s in saved] == [(0.0, -0.5), (1.0, 0.5)]
     rollout_id, saved, extra = load_rollout(tmp_path / "t" / "7.pt")
-    assert rollout_id == 7 and len(saved) == 2 and extra == {"metrics": {"train/loss": 0.25}}  # train metrics only
+    assert rollout_id == 7 and len(saved) == 2 and extra["metrics"] == {"train/loss": 0.25}  # train metrics only
+    assert extra["model"]["family"] == "sd3"  # what `miles replay` checks the job's checkpoint against
     save_debug_data(rl_args(save_debug_rollout_data=rollouts), 8, samples, metrics)
     assert (tmp_path / "r" / "8.pt").is_file() and not (tmp_path / "t" / "8.pt").exists()
 
@@ -112,9 +113,11 @@ def test_offload_rollout_puts_the_engines_to_sleep_between_phases(fake_ray: Any,
         assert calls == [] and metrics == {}
 
 
-def test_train_env_vars_reach_the_ray_runtime_env(fake_ray: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_env_vars_reach_the_ray_runtime_env(
+    fake_ray: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    init_ray(rl_args(train_env_vars={"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": 2}))
+    init_ray(rl_args(train_env_vars={"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": 2}, output_dir=str(tmp_path)))
     (kwargs,) = fake_ray.inits
     env = kwargs["runtime_env"]["env_vars"]
     assert env["NCCL_DEBUG"] == "INFO" and env["OMP_NUM_THREADS"] == "2"  # as strings, for every Ray worker

@@ -79,7 +79,7 @@ def test_round_trip_of_every_part(tmp_path):
     )
     assert path == tmp_path / "ckpt" / "iter_0000005"
     assert sorted(p.name for p in path.iterdir()) == [
-        "ema.pt", "extra.json", "lr_scheduler.pt", "model.pt", "optimizer.pt", "rng.pt",
+        "ema.pt", "extra.json", "lr_scheduler.pt", "manifest.json", "model.pt", "optimizer.pt", "rng.pt",
     ]  # fmt: skip
     assert (tmp_path / "ckpt" / LATEST_FILE).read_text().strip() == "5"
 

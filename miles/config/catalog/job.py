@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from miles.config.catalog._common import flag_maker
-from miles.config.flags import PATH, Flag
+from miles.config.flags import BOOL, FLOAT, PATH, Flag
 
 GROUP = "Job"
 _f = flag_maker(GROUP)
@@ -25,5 +25,20 @@ FLAGS: list[Flag] = [
             "Default: runs/<job>-<timestamp>."
         ),
         meta={"default_text": "runs/<job>-<timestamp>"},
+    ),
+    _f(
+        "verbose",
+        BOOL,
+        False,
+        "Show Ray's and every actor's own output on the terminal too. Without it they go to <output-dir>/logs/ "
+        "(driver.log, <role>-<index>.log) and the terminal shows the tables, the plan, progress and errors.",
+    ),
+    _f(
+        "hook-timeout",
+        FLOAT,
+        1800.0,
+        "Seconds a reward call or a custom hook (--custom-*-path, filters, loss) may take before the job ends "
+        "with one line naming it; the default leaves room to score a batch of videos. 0 disables.",
+        min=0,
     ),
 ]

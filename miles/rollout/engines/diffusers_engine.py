@@ -324,6 +324,6 @@ class _EngineActor(RecoverableEngine, DiffusersEngine):
 
 def engine_actor_class() -> Any:
     """The engine as a Ray actor class (Ray is imported only here)."""
-    import ray
+    from miles.utils.actors import owned_remote
 
-    return ray.remote(concurrency_groups={HEALTH_GROUP: 1})(_EngineActor)
+    return owned_remote(_EngineActor, concurrency_groups={HEALTH_GROUP: 1})

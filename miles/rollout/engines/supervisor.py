@@ -134,7 +134,9 @@ class EngineSupervisor:
         return f"diffusers engine {i}" + (f" ({', '.join(where)})" if where else "")
 
     def _new_actor(self, i: int) -> Any:
-        return self._actor.options(**self._options(i)).remote(self.args)
+        from miles.utils.actors import tag_for
+
+        return self._actor.options(**self._options(i)).remote(self.args, _miles_tag=tag_for(self.args, "engine", i))
 
     def _wait_ready(self, i: int) -> None:
         import ray

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from miles.config.errors import ConfigError
+from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:
     from miles.rollout.types import Sample
@@ -143,11 +144,27 @@ def _frames_first(image: Any) -> Any:
 
 def _digit_label(meta: Mapping[str, Any]) -> int:
     if "label" not in meta:
-        raise ValueError(f"the digit reward needs metadata.label (the digit to draw); metadata has {sorted(meta)}")
-    label = int(meta["label"])
+        keys = clip(", ".join(map(repr, sorted(map(str, meta)))) or "no keys", 120)
+        raise ValueError(f"the digit reward needs metadata.label (the digit to draw); metadata has {keys}")
+    try:
+        label = int(meta["label"])
+    except (TypeError, ValueError):
+        label = -1
     if not 0 <= label <= 9:
-        raise ValueError(f"metadata.label must be a digit 0-9, got {meta['label']!r}")
+        raise ValueError(f"metadata.label must be a digit 0-9, got {clip_repr(meta['label'])}")
     return label
+
+
+def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) -> None:
+    """What a built-in reward needs of a prompt line, checked without scoring (the preflight reads every line
+    with it): ValueError, as the reward itself would raise it. The digit reward needs `metadata.label`, OCR a
+    quoted target in the prompt; the others need nothing beyond the prompt."""
+    if rm_type == "digit":
+        _digit_label(metadata)
+    elif rm_type == "ocr":
+        from miles.rollout.rm_hub.ocr import extract_target
+
+        extract_target(prompt)
 
 
 def _digit_scorer(settings: RewardSettings) -> Scorer:
@@ -281,7 +298,9 @@ def load_custom_rm(path: str) -> Callable[..., Any]:
         raise ConfigError(f"--custom-rm-path {path}: cannot import it ({exc})") from exc
     if not callable(fn):
         raise ConfigError(f"--custom-rm-path {path} is not a function")
-    return fn
+    from miles.utils.deadline import timed
+
+    return timed(fn, f"--custom-rm-path {path}")
 
 
 def _as_custom_reward(value: Any, path: str, name: str) -> Reward:

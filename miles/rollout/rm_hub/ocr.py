@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.rollout.rm_hub.jpeg import image_to_uint8
+from miles.utils.text import clip_repr
 
 
 # ---- pure arithmetic (no engine) ---------------------------------------------------------------
@@ -32,9 +33,11 @@ def extract_target(prompt: str) -> str:
     """The text between the first pair of double quotes; ValueError when there is none or it is empty."""
     parts = prompt.split('"')
     if len(parts) < 3:
-        raise ValueError(f"the OCR reward needs the target text in double quotes in the prompt, got {prompt!r}")
+        raise ValueError(
+            f"the OCR reward needs the target text in double quotes in the prompt, got {clip_repr(prompt)}"
+        )
     if not parts[1].replace(" ", ""):
-        raise ValueError(f"the quoted OCR target in {prompt!r} is empty")
+        raise ValueError(f"the quoted OCR target in {clip_repr(prompt)} is empty")
     return parts[1]
 
 

@@ -40,6 +40,7 @@ from miles.rollout.rm_hub.dispatch import (
     score_items,
     set_reward_pools,
 )
+from miles.utils.actors import owned_remote, tag_for
 
 if TYPE_CHECKING:
     from miles.rollout.types import Sample
@@ -124,7 +125,7 @@ class RewardPool:
         *,
         num_gpus_per_worker: float | None = None,
         num_cpus_per_worker: int = 1,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         placement: Any = None,
     ) -> None:
@@ -144,10 +145,16 @@ class RewardPool:
         options = _worker_options(placement, rm_type, num_gpus_per_worker, num_cpus_per_worker, self.num_workers)
         self.num_workers = len(options)
         self.num_gpus_per_worker = float(options[0].get("num_gpus", 0.0))
-        self.timeout_s = float(timeout_s)
-        actor_cls = ray.remote(RewardWorker)
+        if timeout_s is None:  # --hook-timeout (0: no limit), else the pool's own default
+            flag = getattr(args, "hook_timeout", None)
+            timeout_s = DEFAULT_TIMEOUT_S if flag is None else (float(flag) or None)
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        actor_cls = owned_remote(RewardWorker)
         self.workers = [
-            actor_cls.options(**option).remote(self.settings, rm_type, num_cpus_per_worker) for option in options
+            actor_cls.options(**option).remote(
+                self.settings, rm_type, num_cpus_per_worker, _miles_tag=tag_for(args, f"reward_{rm_type}", i)
+            )
+            for i, option in enumerate(options)
         ]
         self._turn = itertools.count()
         try:

@@ -221,6 +221,6 @@ def _engine_env(args: Any, gpu_ids: list[int] | None = None) -> dict[str, str]:
 
 
 def engine_actor_class() -> Any:
-    import ray
+    from miles.utils.actors import owned_remote
 
-    return ray.remote(SglangEngine)
+    return owned_remote(SglangEngine)

@@ -38,6 +38,7 @@ from miles.rollout.engines.sglang.protocol import (
 )
 from miles.rollout.engines.sglang.schedule import served_checkpoint
 from miles.rollout.types import Sample
+from miles.utils.actors import owned_remote, tag_for
 
 logger = logging.getLogger("miles.rollout.sglang")
 
@@ -91,7 +92,7 @@ class SglangRollout:
                 options, gpu_ids = {"num_gpus": 0, "num_cpus": 0}, None
             self.engines.append(
                 actor.options(**options, max_concurrency=4).remote(
-                    args, i, python, model_path, str(self.root), gpu_ids
+                    args, i, python, model_path, str(self.root), gpu_ids, _miles_tag=tag_for(args, "engine", i)
                 )
             )
         self.infos: list[dict[str, Any]] = []
@@ -135,8 +136,8 @@ class SglangRollout:
         for info in self.infos:
             self.router.add_worker(info["url"])
         workers = max(1, int(args.rollout_parser_num_workers))
-        parser = ray.remote(_Parser).options(num_cpus=0)
-        self.parsers = [parser.remote(args) for _ in range(workers)]
+        parser = owned_remote(_Parser).options(num_cpus=0)
+        self.parsers = [parser.remote(args, _miles_tag=tag_for(args, "parser", i)) for i in range(workers)]
         self._next_parser = 0
         # who sends the POSTs: this process, or per-node Ray actors (--use-distributed-post, `posting.py`)
         self.poster = make_poster(args, max_concurrency=int(args.sglang_server_concurrency) * len(self.engines))

@@ -1,0 +1,81 @@
+"""Reading a user's YAML file strictly (torch-free): recipes, `--custom-config-path`, `--eval-config`.
+
+PyYAML's SafeLoader keeps the last of two equal keys in a mapping without a word; here a key given twice, at
+any depth, is a ConfigError naming both lines. Syntax errors name the file and line too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from miles.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from yaml import Node
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def load_yaml(text: str, label: str) -> tuple[Any, Node | None]:
+    """(data, root node) of one YAML document; `label` names the file in messages ("my.yaml", "recipe x").
+
+    The node tree keeps the line of every key (`node.start_mark.line` is 0-based)."""
+    import yaml  # only when a file is read: keeps `miles --help` lean
+
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        check_duplicate_keys(node, label)
+        return loader.construct_document(node), node
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{label}{line}: invalid YAML: {exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{label}: invalid YAML: {str(exc).splitlines()[0]}") from None
+    finally:
+        loader.dispose()
+
+
+def check_duplicate_keys(root: Node, label: str) -> None:
+    """ConfigError at the first mapping key given twice under `root`: `label:LINE: key 'a.b' is given twice
+    (first at line N)`, with the dotted path of the key for a nested mapping."""
+    from yaml import MappingNode, SequenceNode
+
+    seen_nodes: set[int] = set()
+    stack: list[tuple[Node, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen_nodes:  # an alias repeats a node already checked
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, MappingNode):
+            first_line: dict[tuple[str, str], int] = {}
+            children = []
+            for key_node, value_node in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    children.append((value_node, path))
+                    continue
+                key = _key_text(key_node)
+                line = key_node.start_mark.line + 1
+                name = f"{path}.{key}" if path else key
+                identity = (key_node.tag, key)
+                if identity in first_line:
+                    raise ConfigError(
+                        f"{label}:{line}: key {name!r} is given twice (first at line {first_line[identity]})"
+                    )
+                first_line[identity] = line
+                children.append((value_node, name))
+            stack.extend(reversed(children))
+        elif isinstance(node, SequenceNode):
+            stack.extend((item, f"{path}[{i}]") for i, item in reversed(list(enumerate(node.value))))
+
+
+def _key_text(key_node: Node) -> str:
+    from yaml import ScalarNode
+
+    if isinstance(key_node, ScalarNode):
+        return str(key_node.value)
+    return f"<{type(key_node).__name__} at line {key_node.start_mark.line + 1}>"

@@ -1,0 +1,89 @@
+"""The preflight: every input of a resolved job, checked in the driver before Ray starts, every problem at once.
+
+`miles train|eval|rollout-only|replay` runs it after printing the args and before anything starts (no Ray, no
+model build); `miles inspect-config --check` runs it alone. Each check is a small function of the resolved job
+in a module with one job (models, data, hooks, checkpoint, cluster, replay), registered once in `CHECKS` with
+the jobs it applies to; each returns one line per problem, naming the flag, the value, what is wrong and what
+to do. Torch- and Ray-free, except the hook check (it imports your hook modules), the rollout-file check (it
+loads the rollout a replay trains on) and `--eval-config` (read by `miles.rollout.evaluation.eval_datasets`).
+
+    find_problems(resolved) -> list[str]        every problem, one line each
+    preflight(resolved) -> None                 ConfigError: the problem, or "N problems:" and one per line
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from miles.config.errors import ConfigError
+from miles.preflight import checkpoint, cluster, data, hooks, models, replay
+from miles.preflight.base import TRAINING_JOBS, Check
+
+if TYPE_CHECKING:
+    from miles.config.resolve import ResolvedJob
+
+CHECKS: tuple[Check, ...] = (
+    Check("model paths", models.check_model_paths),
+    Check("prompt data", data.check_prompt_data, jobs=data.PROMPT_DATA_JOBS),
+    Check("eval data", data.check_eval_data),
+    Check("hooks", hooks.check_hooks),
+    Check("--load", checkpoint.check_load, jobs=TRAINING_JOBS),
+    Check("output folders", checkpoint.check_outputs),
+    Check("cluster", cluster.check_cluster),
+    Check("rollout files", replay.check_rollout_files, jobs=frozenset({"rl", "replay"})),
+)
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    checks: int = 0  # how many checks ran
+    seconds: float = 0.0
+
+
+def run_checks(resolved: ResolvedJob, checks: tuple[Check, ...] = CHECKS) -> Report:
+    """Run every check that applies to the job; a check that fails unexpectedly is reported on stderr and
+    skipped (the runtime still meets the problem), never a reason to refuse the job."""
+    start = time.perf_counter()
+    report = Report()
+    for check in checks:
+        if not check.applies(resolved.spec.name):
+            continue
+        report.checks += 1
+        try:
+            report.problems.extend(check.run(resolved))
+        except ConfigError as exc:
+            report.problems.append(str(exc))
+        except Exception as exc:  # a bug in a check must not stop a job the runtime could run
+            first = (str(exc).strip().splitlines() or [""])[0]
+            print(
+                f"miles: warning: preflight check {check.name!r} could not run ({type(exc).__name__}: {first})",
+                file=sys.stderr,
+            )
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def find_problems(resolved: ResolvedJob) -> list[str]:
+    """Every problem the preflight finds in the job's inputs, one line each (empty: the job may start)."""
+    return run_checks(resolved).problems
+
+
+def problems_message(problems: list[str]) -> str:
+    """One problem as it is; several as 'N problems:' and one indented line each."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  - {line}" for line in problems)
+
+
+def preflight(resolved: ResolvedJob) -> None:
+    """ConfigError naming every problem the preflight finds (nothing when there is none)."""
+    problems = find_problems(resolved)
+    if problems:
+        raise ConfigError(problems_message(problems))
+
+
+__all__ = ["CHECKS", "Check", "Report", "find_problems", "preflight", "problems_message", "run_checks"]

@@ -1,0 +1,117 @@
+"""Checkpoints and outputs: `--load` names a complete checkpoint, and every folder the job writes can be written.
+
+`--load` goes through `miles.training.checkpoint_index.find_loadable_checkpoint` (torch-free; the tracker file,
+the folder it names or `--ckpt-step`'s, the manifest's sizes), then the parts the trainer reads must be there
+(`model.pt`, `lr_scheduler.pt`, `extra.json`, and `optimizer.pt` unless `--no-load-optim`). A DMD2 critic resumes from
+`<load>/critic`. An output folder (`--output-dir`, `--save`, the debug dump templates) must be a folder, or
+creatable under its nearest existing parent, and writable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from miles.config.resolve import ResolvedJob
+
+TRAINER_PARTS = ("model.pt", "lr_scheduler.pt", "extra.json")
+
+
+def load_problem(load_dir: str, ckpt_step: int | None, load_optim: bool) -> str | None:
+    """What stops a trainer from resuming from `load_dir` (None: nothing)."""
+    from miles.training.checkpoint_index import find_loadable_checkpoint
+
+    try:
+        choice = find_loadable_checkpoint(load_dir, ckpt_step)
+    except ConfigError as exc:
+        return str(exc)
+    for warning in choice.warnings:  # a damaged latest checkpoint: said once, before anything starts
+        print(f"miles: warning: {warning}", file=sys.stderr, flush=True)
+    missing = [name for name in TRAINER_PARTS if not (choice.path / name).is_file()]
+    if missing:
+        return (
+            f"--load {load_dir}: {choice.path.name} has no {', '.join(missing)} (not a checkpoint a miles trainer "
+            "saved); give the --save folder of a training run"
+        )
+    if load_optim and not (choice.path / "optimizer.pt").is_file():
+        return (
+            f"--load {load_dir}: {choice.path.name} has no optimizer state (saved with --no-save-optim); "
+            "add --no-load-optim"
+        )
+    return None
+
+
+def check_load(resolved: ResolvedJob) -> list[str]:
+    """`--load` of every trainer of the job (the DMD2 critic's is `<load>/critic`)."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for args in resolved.trainer_args.values():
+        load = getattr(args, "load", None)
+        if load is None or str(load) in seen:
+            continue
+        seen.add(str(load))
+        problem = load_problem(str(load), args.ckpt_step, not args.no_load_optim)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def writable_problem(path: Path) -> str | None:
+    """Why the folder `path` cannot be written (None: it is a writable folder, or can be made one)."""
+    if path.exists():
+        if not path.is_dir():
+            return "is a file, not a folder"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return "is not writable"
+        return None
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot be created: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent} is not writable"
+    return None
+
+
+def _template_dir(template: str) -> Path | None:
+    """The folder a `--save-debug-*-data` template writes rollout 0 into (None: a bad template; the runtime's
+    `format_rollout_path` names it)."""
+    try:
+        return Path(template.format(0, rollout_id=0)).expanduser().parent
+    except (KeyError, IndexError, ValueError):
+        return None
+
+
+def output_folders(args: Any, job: str) -> list[tuple[str, str, Path]]:
+    """(flag, value, folder) of every folder the job writes."""
+    out = [("--output-dir", str(args.output_dir), Path(str(args.output_dir)).expanduser())]
+    if args.save is not None and job in ("rl", "sft", "dmd2"):
+        out.append(("--save", str(args.save), Path(str(args.save)).expanduser()))
+    if args.dump_details is not None:
+        out.append(("--dump-details", str(args.dump_details), Path(str(args.dump_details)).expanduser()))
+    for dest, flag in (
+        ("save_debug_rollout_data", "--save-debug-rollout-data"),
+        ("save_debug_train_data", "--save-debug-train-data"),
+    ):
+        template = getattr(args, dest, None)
+        folder = _template_dir(str(template)) if template is not None else None
+        if folder is not None:
+            out.append((flag, str(template), folder))
+    return out
+
+
+def check_outputs(resolved: ResolvedJob) -> list[str]:
+    """Every output folder is (or can become) a writable folder."""
+    problems = []
+    for flag, value, folder in output_folders(resolved.args, resolved.spec.name):
+        problem = writable_problem(folder)
+        if problem:
+            shown = value if folder == Path(value).expanduser() else f"{value} (folder {folder})"
+            problems.append(f"{flag} {shown}: {problem}; choose another {flag}")
+    return problems

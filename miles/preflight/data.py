@@ -1,0 +1,183 @@
+"""Data files: the prompt data, the eval sets and SFT data, streamed line by line through the reader the runtime
+uses (`miles.rollout.prompt_file`), so a problem is the line the runtime would have stopped at, found first.
+
+A prompt line must parse, carry a non-empty string at `--input-key` and an object (or nothing) at
+`--metadata-key`, and hold what its reward needs (`miles.rollout.rm_hub.dispatch.check_reward_inputs`: a digit
+label, a quoted OCR target). An SFT row names an image (or video) file that exists. Built-in data sets pass
+(they are generated on first use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.config.errors import ConfigError
+from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields
+from miles.utils.text import clip, clip_repr
+
+if TYPE_CHECKING:
+    from miles.config.resolve import ResolvedJob
+
+# a per-line check: (file:line, the row, its prompt, its metadata) -> raises ConfigError
+LineCheck = Callable[[str, dict[str, Any], str, dict[str, Any]], None]
+
+PROMPT_DATA_JOBS = frozenset({"rl", "sft", "dmd2", "rollout-only"})
+_REMEDY = "fix or remove that line"
+
+
+def _builtin(spec: Any) -> bool:
+    from miles.data.builtin import is_builtin_dataset
+
+    return is_builtin_dataset(spec)
+
+
+def reward_check(args: Any) -> LineCheck | None:
+    """The reward's needs of each line (None: nothing to check, e.g. under --custom-rm-path)."""
+    if args.custom_rm_path:
+        return None
+    from miles.rollout.rm_hub.dispatch import BUILTIN_RM_TYPES, check_reward_inputs
+
+    default = args.rm_type
+
+    def check(where: str, row: dict[str, Any], prompt: str, metadata: dict[str, Any]) -> None:
+        rm_type = metadata.get("rm_type") or default
+        if rm_type == "digit" and type(label := metadata.get("label")) is int and 0 <= label <= 9:
+            return  # the common case, without a call (a million lines)
+        if rm_type is None:
+            raise ConfigError(f"{where}: no reward type: set --rm-type (or metadata.rm_type, or --custom-rm-path)")
+        if rm_type not in BUILTIN_RM_TYPES:
+            raise ConfigError(
+                f"{where}: metadata.rm_type {clip_repr(rm_type)} is not a built-in reward "
+                f"({', '.join(BUILTIN_RM_TYPES)}); use one of them or --custom-rm-path"
+            )
+        try:
+            check_reward_inputs(rm_type, prompt, metadata)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    return check
+
+
+def scan_prompt_file(path: Path, input_key: str, metadata_key: str | None, checks: list[LineCheck]) -> None:
+    """Read every line of a prompt file; ConfigError at the first bad one (or when there is none)."""
+    count = 0
+    for where, _, row in iter_jsonl_objects(path):
+        prompt, metadata = prompt_fields(where, row, input_key, metadata_key)
+        for check in checks:
+            check(where, row, prompt, metadata)
+        count += 1
+    if not count:
+        raise ConfigError(f"{path}: no prompts (the file is empty)")
+
+
+def _first_row_has_image(args: Any) -> LineCheck:
+    """DMD2's GAN head reads real images from the prompt data (`train_dmd2.check_gan_data`: the first row)."""
+    seen = [False]
+
+    def check(where: str, row: dict[str, Any], prompt: str, metadata: dict[str, Any]) -> None:
+        if not seen[0] and "image" not in row:
+            raise ConfigError(
+                f"{where}: --dmd2-gan-loss-weight {args.dmd2_gan_loss_weight} needs real images but the row has "
+                "no 'image' field; give rows with images (e.g. digits:sft) or set --dmd2-gan-loss-weight 0"
+            )
+        seen[0] = True
+
+    return check
+
+
+def scan_sft_file(path: Path, input_key: str) -> None:
+    """Every SFT row names its caption and an image (or video) file that exists (relative to the JSONL file)."""
+    count = 0
+    for where, _, row in iter_jsonl_objects(path, "SFT data"):
+        check_sft_row(where, row, input_key)
+        key = "video" if "video" in row else "image"
+        name = row[key]
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: {key!r} must be a file path, got {kind(name)}")
+        if not (path.parent / name).is_file():
+            raise ConfigError(f"{where}: SFT {key} not found: {clip(str(path.parent / name), 160)}")
+        count += 1
+    if not count:
+        raise ConfigError(f"{path}: no SFT rows")
+
+
+def _job_scores_prompts(resolved: ResolvedJob) -> bool:
+    args = resolved.args
+    return resolved.spec.scores and not args.train_only and args.load_debug_rollout_data is None
+
+
+def check_prompt_data(resolved: ResolvedJob) -> list[str]:
+    """`--prompt-data` of a job that reads it through the default data source (or as SFT rows)."""
+    args = resolved.args
+    spec = args.prompt_data
+    job = resolved.spec.name
+    if spec is None or _builtin(spec) or args.load_debug_rollout_data is not None:
+        return []
+    path = Path(str(spec)).expanduser()
+    try:
+        if job == "sft":
+            scan_sft_file(path, args.input_key)
+            return []
+        if args.disable_rollout_global_dataset or args.data_source_path:
+            return []  # your data source reads the data its own way
+        checks: list[LineCheck] = []
+        reward = reward_check(args) if _job_scores_prompts(resolved) else None
+        if reward is not None:
+            checks.append(reward)
+        if job == "dmd2" and float(args.dmd2_gan_loss_weight) > 0:
+            checks.append(_first_row_has_image(args))
+        scan_prompt_file(path, args.input_key, args.metadata_key, checks)
+    except ConfigError as exc:
+        return [f"--prompt-data {exc}{_hint(str(exc))}"]
+    return []
+
+
+def _hint(message: str) -> str:
+    head = message.split(": ", 1)[0]
+    return f"; {_REMEDY}" if head.rsplit(":", 1)[-1].isdigit() else ""
+
+
+def eval_data_used(resolved: ResolvedJob) -> bool:
+    """The job reads its eval sets: `miles eval`; `train dmd2` (it evaluates at the end); `train rl|sft` with
+    --eval-interval."""
+    args = resolved.args
+    if not (args.eval_prompt_data or args.eval_config):
+        return False
+    job = resolved.spec.name
+    return job in ("eval", "dmd2") or (job in ("rl", "sft") and args.eval_interval is not None)
+
+
+def _eval_sets(args: Any) -> Iterator[tuple[str, str]]:
+    """(label, data set spec) of every eval set."""
+    if args.eval_config:
+        from miles.rollout.evaluation import eval_datasets  # imports torch: only with --eval-config
+
+        for i, dataset in enumerate(eval_datasets(args)):
+            yield f"--eval-config {args.eval_config} datasets[{i}] ({dataset.name})", dataset.path
+        return
+    for name, spec in (args.eval_prompt_data or {}).items():
+        yield f"--eval-prompt-data {name}", str(spec)
+
+
+def check_eval_data(resolved: ResolvedJob) -> list[str]:
+    """Every eval set the job reads: each line a prompt line with what the reward needs."""
+    if not eval_data_used(resolved):
+        return []
+    args = resolved.args
+    reward = reward_check(args)
+    problems = []
+    try:
+        sets = list(_eval_sets(args))
+    except ConfigError as exc:
+        return [str(exc)]
+    for label, spec in sets:
+        if _builtin(spec):
+            continue
+        try:
+            key = args.eval_input_key or args.input_key
+            scan_prompt_file(Path(spec).expanduser(), key, args.metadata_key, [reward] if reward else [])
+        except ConfigError as exc:
+            problems.append(f"{label} {exc}{_hint(str(exc))}")
+    return problems

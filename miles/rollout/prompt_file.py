@@ -1,0 +1,153 @@
+"""Prompt JSONL files, read line by line (torch-free): the reader the runtime and the preflight share.
+
+One object per line (blank lines are skipped):
+    {"input": "a photo of a cat", "metadata": {"rm_type": "ocr"}}
+`--input-key` names the prompt (a required, non-empty string); `--metadata-key` names an optional dict.
+
+The file is streamed, so a million lines cost seconds, not memory; a line longer than `MAX_LINE_BYTES` is
+refused without being read whole. Every problem is a one-line `ConfigError` that starts with `file:line`
+and quotes no user data beyond `CLIP` characters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.config.errors import ConfigError
+from miles.utils.text import clip
+
+MAX_LINE_BYTES = 1 << 20  # 1 MiB: a prompt line is one JSON object, never a whole data set
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One line of a prompt JSONL file."""
+
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    line: int = 0
+
+
+def kind(value: Any) -> str:
+    """'an object', 'a list', 'a string', ...: what a JSON value is, for messages."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "a bool", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__
+    )
+
+
+def show_keys(row: dict[str, Any], limit: int = 8) -> str:
+    """The keys of a row for a message: at most `limit`, each clipped."""
+    keys = sorted(row)
+    shown = ", ".join(clip(repr(k), 40) for k in keys[:limit])
+    return (shown + f", ... ({len(keys)} keys)") if len(keys) > limit else (shown or "none")
+
+
+def _open(path: Path, what: str):
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a {what} file (name the .jsonl file inside it)")
+    if not path.is_file():
+        raise ConfigError(f"{path}: {what} file not found")
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the {what} file ({exc.strerror or exc})") from None
+
+
+def iter_jsonl_objects(
+    path: str | os.PathLike, what: str = "prompt data"
+) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """`(file:line, line, object)` for every non-blank line of a JSONL file, streamed; any problem is a
+    one-line ConfigError naming the file (and the line)."""
+    path = Path(path)
+    handle = _open(path, what)
+    name = str(path)
+    with handle:
+        lineno = 0
+        while True:
+            try:
+                raw_bytes = handle.readline(MAX_LINE_BYTES + 1)
+            except OSError as exc:
+                raise ConfigError(f"{path}: cannot read the {what} file ({exc.strerror or exc})") from None
+            if not raw_bytes:
+                return
+            lineno += 1
+            where = f"{name}:{lineno}"
+            if len(raw_bytes) > MAX_LINE_BYTES and not raw_bytes.endswith(b"\n"):
+                raise ConfigError(
+                    f"{where}: line longer than {MAX_LINE_BYTES // 2**20} MiB (MAX_LINE_BYTES, "
+                    f"miles.rollout.prompt_file); a {what} line is one JSON object: is this the right file?"
+                )
+            try:
+                raw = raw_bytes.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start + 1})") from None
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise ConfigError(f"{where}: malformed JSON (nested too deeply)") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: expected a JSON object, got {kind(row)}")
+            yield where, lineno, row
+
+
+def prompt_fields(
+    where: str, row: dict[str, Any], input_key: str = "input", metadata_key: str | None = "metadata"
+) -> tuple[str, dict[str, Any]]:
+    """`(prompt, metadata)` of one line; ConfigError naming `where` when the line is not a prompt line."""
+    if input_key not in row:
+        raise ConfigError(f"{where}: missing key {input_key!r} (--input-key); keys: {show_keys(row)}")
+    prompt = row[input_key]
+    if not isinstance(prompt, str):
+        raise ConfigError(f"{where}: {input_key!r} must be a string, got {kind(prompt)}")
+    if not prompt.strip():
+        raise ConfigError(f"{where}: {input_key!r} is empty")
+    metadata: Any = {}
+    if metadata_key is not None and row.get(metadata_key) is not None:
+        metadata = row[metadata_key]
+        if not isinstance(metadata, dict):
+            raise ConfigError(f"{where}: {metadata_key!r} (--metadata-key) must be a dict, got {kind(metadata)}")
+    return prompt, metadata
+
+
+def prompt_record(
+    where: str, lineno: int, row: dict[str, Any], input_key: str = "input", metadata_key: str | None = "metadata"
+) -> PromptRecord:
+    """The `PromptRecord` of one line (see `prompt_fields`)."""
+    prompt, metadata = prompt_fields(where, row, input_key, metadata_key)
+    return PromptRecord(prompt=prompt, metadata=metadata, line=lineno)
+
+
+def check_sft_row(where: str, row: dict[str, Any], input_key: str) -> None:
+    """An SFT row names its image (or video) and its caption at `--input-key`; ConfigError naming `where`."""
+    if ("image" not in row and "video" not in row) or input_key not in row:
+        raise ConfigError(f"{where}: an SFT row needs 'image' (or 'video') and {input_key!r} (--input-key)")
+
+
+def iter_prompt_records(
+    path: str | os.PathLike, input_key: str = "input", metadata_key: str | None = "metadata"
+) -> Iterator[tuple[str, PromptRecord]]:
+    """`(file:line, record)` for every prompt line, streamed; ConfigError on the first bad line or an empty file."""
+    count = 0
+    for where, lineno, row in iter_jsonl_objects(path):
+        count += 1
+        yield where, prompt_record(where, lineno, row, input_key, metadata_key)
+    if not count:
+        raise ConfigError(f"{path}: no prompts (the file is empty)")
+
+
+def load_prompt_jsonl(
+    path: str | os.PathLike,
+    input_key: str = "input",
+    metadata_key: str | None = "metadata",
+) -> list[PromptRecord]:
+    """Read a prompt JSONL file; every problem is a one-line ConfigError naming `file:line`."""
+    return [record for _, record in iter_prompt_records(path, input_key, metadata_key)]

@@ -1,0 +1,215 @@
+"""What a user sees when something fails inside a job: the CLI in a subprocess, a real local Ray, tiny-sd3.
+
+Each failure class ends the job within 30 s of the failure with one `miles: error:` line that names the actor
+(or the hook) and a log, no traceback on the terminal, and no Ray process of the job left behind: a trainer
+rank killed mid-step, a reward function that raises, a reward past --hook-timeout, Ctrl-C (exit 130, the last
+complete checkpoint named), SIGTERM (143) and a driver killed with SIGKILL (the reaper ends its cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "2"]
+SMALL += ["--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "6"]
+SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,6", "--skip-eval-before-train"]
+CLI = [sys.executable, "-c", "from miles_cli.main import entry; entry()"]
+HOOKS = """
+import time
+
+
+def bad_loss(args, batch, model_output):
+    return 1 / 0
+
+
+async def raising_rm(args, samples):
+    raise KeyError("label")
+
+
+async def slow_rm(args, samples):
+    time.sleep(600)
+    return [0.0] * len(samples)
+"""
+
+
+class Job:
+    """One `miles train rl` in a subprocess; `act(job)` runs on a timer once an engine is ready."""
+
+    def __init__(self, tmp_path: Path, extra: list[str], tiny_sd3_dir: Path) -> None:
+        (tmp_path / "job_hooks.py").write_text(HOOKS)
+        self.out = tmp_path / "run"
+        self.argv = [*CLI, "train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir)]
+        self.argv += [*SMALL, "--num-rollout", "50", "--output-dir", str(self.out), *extra]
+        self.env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.acted_at: float | None = None
+        self.ended_at = 0.0
+        self.text = ""
+        self.rc: int | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, act: Callable[[Job], None] | None = None, when: str = "ready", delay: float = 3.0) -> Job:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+        )
+        lines: list[str] = []
+        timer = None
+
+        def fire() -> None:
+            self.acted_at = time.monotonic()
+            assert act is not None
+            act(self)
+
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            lines.append(line)
+            if act is not None and timer is None and when in line:
+                timer = threading.Timer(delay, fire)
+                timer.start()
+        self.rc = self.proc.wait(timeout=120)
+        self.ended_at = time.monotonic()
+        self.text = "".join(lines)
+        return self
+
+    def actor_pid(self, role: str) -> int:
+        for line in (self.out / "logs" / "actors.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record["role"] == role and record["event"] == "start":
+                return int(record["pid"])
+        raise AssertionError(f"no {role} in the registry")
+
+    def errors(self) -> list[str]:
+        return [line for line in self.text.splitlines() if line.startswith("miles: error:")]
+
+    def seconds_after_act(self) -> float:
+        assert self.acted_at is not None, self.text[-3000:]
+        return self.ended_at - self.acted_at
+
+
+def session_dir(out: Path) -> str:
+    match = re.search(r"ray session: (\S+)", (out / "logs" / "driver.log").read_text())
+    assert match, "driver.log names no ray session"
+    return match.group(1)
+
+
+def left_behind(out: Path, wait_s: float = 10.0) -> list[str]:
+    """The processes of the job's Ray session still running after `wait_s` at most."""
+    needle = session_dir(out).encode()
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if needle in cmdline:
+                alive.append(f"{entry.name} {cmdline[:120]!r}")
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+NOISE = ("Token authentication", "worker processes have been started", "repeated", "(raylet)", "pid=", "Traceback")
+
+
+def assert_one_clean_line(job: Job) -> str:
+    """One error line, and a quiet terminal: Ray's notices and the actors' output went to logs/."""
+    errors = job.errors()
+    assert len(errors) == 1, job.text[-4000:]
+    for noise in NOISE:
+        assert noise not in job.text, (noise, job.text[-4000:])
+    assert re.search(r"^miles: diffusers engine 0 \(node 0, CPU, pid \d+\) ready$", job.text, re.MULTILINE)
+    assert "Token authentication" in (job.out / "logs" / "driver.log").read_text()
+    return errors[0]
+
+
+def test_a_trainer_rank_killed_mid_step_ends_the_job_naming_it(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, [], tiny_sd3_dir)
+    job.run(lambda j: os.kill(j.actor_pid("actor"), signal.SIGKILL), when="rollout 1 ", delay=0.2)
+    assert job.rc == 1, job.text[-4000:]
+    line = assert_one_clean_line(job)
+    pid = job.actor_pid("actor")
+    assert line.startswith("miles: error: actor 0 on node ") and f"(pid {pid}) died: its process ended" in line
+    assert line.endswith(f"full log: {job.out / 'logs' / 'actor-0.log'}")
+    assert job.seconds_after_act() < 30
+    assert left_behind(job.out) == []
+
+
+def test_a_reward_that_raises_ends_the_job_with_one_line(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, ["--custom-rm-path", "job_hooks.raising_rm"], tiny_sd3_dir).run()
+    assert job.rc == 1, job.text[-4000:]
+    line = assert_one_clean_line(job)
+    assert line.startswith("miles: error: custom reward job_hooks.raising_rm failed on 8 samples: sample 0 (prompt ")
+    assert line.endswith(f"KeyError: 'label' (logs: {job.out / 'logs'})")
+    assert "KeyError" in (job.out / "logs" / "rollout_manager-0.log").read_text()  # the traceback, for the user
+    assert left_behind(job.out) == []
+
+
+def test_a_reward_past_the_hook_timeout_ends_the_job_naming_it(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, ["--custom-rm-path", "job_hooks.slow_rm", "--hook-timeout", "3"], tiny_sd3_dir)
+    start = time.monotonic()
+    job.run()
+    assert job.rc == 1, job.text[-4000:]
+    line = assert_one_clean_line(job)
+    assert line.startswith(
+        "miles: error: --custom-rm-path job_hooks.slow_rm did not return within 3 s (--hook-timeout); its stack is "
+        "in the log"
+    )
+    assert "slow_rm" in (job.out / "logs" / "rollout_manager-0.log").read_text()  # where it hung
+    assert time.monotonic() - start < 120
+    assert left_behind(job.out) == []
+
+
+def test_ctrl_c_stops_the_job_and_names_the_last_complete_checkpoint(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    job = Job(tmp_path, ["--save", str(save), "--save-interval", "1"], tiny_sd3_dir)
+    job.run(lambda j: j.proc.send_signal(signal.SIGINT), when="rollout 1 ", delay=0.5)
+    assert job.rc == 130, job.text[-4000:]
+    assert "Traceback" not in job.text and job.errors() == []
+    step = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert (save / f"iter_{step:07d}" / "model.pt").is_file()  # the latest is complete
+    assert f"miles: interrupted (Ctrl-C); last complete checkpoint: {save} step {step}" in job.text
+    assert job.seconds_after_act() < 30
+    assert left_behind(job.out) == []
+
+
+def test_a_driver_killed_with_sigkill_leaves_no_ray_process(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, [], tiny_sd3_dir).run(lambda j: j.proc.kill(), when="rollout 0 ", delay=0.5)
+    assert job.rc == -signal.SIGKILL
+    assert left_behind(job.out, wait_s=15.0) == []
+
+
+@pytest.mark.extended
+def test_sigterm_stops_the_job_with_143(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, [], tiny_sd3_dir).run(lambda j: j.proc.terminate(), when="rollout 0 ", delay=0.5)
+    assert job.rc == 143, job.text[-4000:]
+    assert "miles: interrupted (SIGTERM); no checkpoint (no --save)" in job.text and "Traceback" not in job.text
+    assert left_behind(job.out) == []
+
+
+@pytest.mark.extended
+def test_a_custom_loss_that_raises_is_one_usage_line_naming_the_hook(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+    extra = ["--loss-type", "custom_loss", "--custom-loss-function-path", "job_hooks.bad_loss"]
+    job = Job(tmp_path, extra, tiny_sd3_dir).run()
+    assert job.rc == 2, job.text[-4000:]
+    line = assert_one_clean_line(job)
+    assert line == (
+        "miles: error: --custom-loss-function-path 'job_hooks.bad_loss' raised ZeroDivisionError: division by zero "
+        f"(traceback in {job.out / 'logs' / 'actor-0.log'})"
+    )
+    assert left_behind(job.out) == []

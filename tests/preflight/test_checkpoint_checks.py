@@ -1,0 +1,81 @@
+"""--load names a complete checkpoint; --output-dir, --save and the dump templates can be written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import Job
+
+from miles.preflight import find_problems
+from miles.preflight.checkpoint import check_load, check_outputs
+
+
+def _checkpoint(root: Path, step: int, parts: tuple[str, ...] = ("model.pt", "lr_scheduler.pt", "optimizer.pt")):
+    folder = root / f"iter_{step:07d}"
+    folder.mkdir(parents=True)
+    for name in parts:
+        (folder / name).write_bytes(b"x")
+    (folder / "extra.json").write_text('{"rollout_id": 3}')
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{step}\n")
+    return folder
+
+
+def test_load_of_a_missing_folder(job: Job, tmp_path: Path) -> None:
+    missing = tmp_path / "ckpt"
+    assert find_problems(job("rl", load=str(missing))) == [f"--load {missing}: no such checkpoint directory"]
+
+
+def test_load_of_an_empty_folder(job: Job, tmp_path: Path) -> None:
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    assert check_load(job("rl", load=str(empty))) == [
+        f"--load {empty}: no latest_checkpointed_iteration.txt (not a checkpoint directory, or no save finished); "
+        "pass --ckpt-step to pick one (available steps: none)"
+    ]
+
+
+def test_load_of_a_complete_checkpoint_passes(job: Job, tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "ckpt", 3)
+    assert check_load(job("rl", load=str(tmp_path / "ckpt"))) == []
+
+
+def test_load_without_optimizer_state_needs_no_load_optim(job: Job, tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "ckpt", 3, ("model.pt", "lr_scheduler.pt"))
+    assert check_load(job("rl", load=str(tmp_path / "ckpt"))) == [
+        f"--load {tmp_path / 'ckpt'}: iter_0000003 has no optimizer state (saved with --no-save-optim); "
+        "add --no-load-optim"
+    ]
+    assert check_load(job("rl", load=str(tmp_path / "ckpt"), no_load_optim="true")) == []
+
+
+def test_the_dmd2_critic_resumes_from_its_own_folder(job: Job, tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "ckpt", 3)
+    critic = tmp_path / "ckpt" / "critic"
+    assert check_load(job("dmd2", recipe="tiny-digits-4step", load=str(tmp_path / "ckpt"))) == [
+        f"--load {critic}: no such checkpoint directory"
+    ]
+
+
+def test_an_output_dir_under_a_regular_file(job: Job, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "run"
+    assert find_problems(job("rl", output_dir=str(out))) == [
+        f"--output-dir {out}: cannot be created: {blocker} is a file, not a folder; choose another --output-dir"
+    ]
+
+
+def test_save_that_is_a_file_and_a_dump_template_under_one(job: Job, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    template = f"{blocker}/dumps/r{{rollout_id}}.pt"
+    resolved = job("rl", save=str(blocker), save_debug_rollout_data=template)
+    assert check_outputs(resolved) == [
+        f"--save {blocker}: is a file, not a folder; choose another --save",
+        f"--save-debug-rollout-data {template} (folder {blocker / 'dumps'}): cannot be created: {blocker} is a "
+        "file, not a folder; choose another --save-debug-rollout-data",
+    ]
+
+
+def test_writable_outputs_pass(job: Job, tmp_path: Path) -> None:
+    assert check_outputs(job("rl", save=str(tmp_path / "new" / "ckpt"))) == []
