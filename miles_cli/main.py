@@ -333,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except typer_exc.Abort:
         print("miles: aborted", file=sys.stderr)
         return 130
+    except KeyboardInterrupt:  # before the job started (a job's own Ctrl-C is handled by its driver)
+        print("miles: interrupted", file=sys.stderr)
+        return 130
     except typer_exc.Exit as exc:
         return int(exc.exit_code or 0)
     except Exception as exc:
