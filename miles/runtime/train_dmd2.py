@@ -204,6 +204,11 @@ def resume(args: Any, manager: Any, critic: Any, actor: Any) -> int:
     """Restore `--load` as `train rl` does (student, data source, engine sync) and the critic from `<load>/critic`."""
     from miles.runtime.train_rl import resume as resume_actor
 
-    if args.load:
-        critic.call("load_checkpoint", f"{args.load.rstrip('/')}/critic", args.ckpt_step)
-    return resume_actor(args, manager, actor)
+    if not args.load:
+        return resume_actor(args, manager, actor)
+    from miles.training.checkpoint_index import common_step
+
+    critic_dir = f"{args.load.rstrip('/')}/critic"
+    step = common_step([args.load, critic_dir], args.ckpt_step)  # both trainers resume from one step
+    critic.call("load_checkpoint", critic_dir, step)
+    return resume_actor(args, manager, actor, ckpt_step=step)

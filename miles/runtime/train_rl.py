@@ -179,13 +179,15 @@ def save(args: Any, manager: Any, group: Any, rollout_id: int) -> None:
     group.call("save_checkpoint", args.save, rollout_id, extra)
 
 
-def resume(args: Any, manager: Any, group: Any) -> int:
-    """Restore `--load` (trainer state, data source) and sync the engines; the first rollout id to run."""
+def resume(args: Any, manager: Any, group: Any, ckpt_step: int | None = None) -> int:
+    """Restore `--load` (trainer state, data source) and sync the engines; the first rollout id to run.
+    `ckpt_step`: the step to load (default --ckpt-step, else the newest complete checkpoint)."""
     import ray
 
     start = 0
     if args.load:
-        extra = group.call("load_checkpoint", args.load, args.ckpt_step)[0]
+        step = args.ckpt_step if ckpt_step is None else ckpt_step
+        extra = group.call("load_checkpoint", args.load, step)[0]
         start = int(extra["rollout_id"]) + 1
         if manager is not None:  # no engines (training on saved rollouts): nothing to restore or sync
             if extra.get("data_source"):

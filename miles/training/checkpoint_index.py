@@ -206,3 +206,22 @@ def find_loadable_checkpoint(
             return LoadChoice(earlier, candidate, [warning])
         damaged.extend(found)
     raise ConfigError(f"--load {load_dir}: no complete checkpoint: {'; '.join(damaged)}")
+
+
+def common_step(load_dirs: Iterable[str | os.PathLike], ckpt_step: int | None = None) -> int | None:
+    """The one step every folder of `load_dirs` resumes from (DMD2's `<load>` and `<load>/critic`): `ckpt_step`
+    when given; else the newest step complete in all of them, so a damaged latest checkpoint in one folder does
+    not resume the two trainers at different steps. ConfigError when there is none."""
+    dirs = [Path(d) for d in load_dirs]
+    if ckpt_step is not None or not dirs:
+        return ckpt_step
+    choices = [find_loadable_checkpoint(d) for d in dirs]
+    step = min(choice.step for choice in choices)
+    for folder in dirs:
+        problems = checkpoint_problems(folder / iter_dir_name(step))
+        if problems or not (folder / iter_dir_name(step)).is_dir():
+            raise ConfigError(
+                f"--load {dirs[0]}: no step complete in every trainer's folder ({', '.join(map(str, dirs))}): "
+                f"{'; '.join(problems) or f'{folder} has no step {step}'}; pass --ckpt-step"
+            )
+    return step

@@ -150,3 +150,20 @@ def test_a_checkpoint_without_a_manifest_loads_as_before(two_steps: Path) -> Non
 def test_the_index_module_imports_without_torch() -> None:
     code = "import sys, miles.training.checkpoint_index; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_dmd2_trainers_resume_from_one_step_when_one_latest_is_damaged(tmp_path: Path) -> None:
+    """`<load>` (the student) and `<load>/critic` fall back together: the newest step complete in both."""
+    from miles.training.checkpoint_index import common_step
+
+    student, critic = tmp_path / "ckpt", tmp_path / "ckpt" / "critic"
+    for step in (3, 4):
+        _save(student, step)
+        _save(critic, step)
+    assert common_step([student, critic]) == 4
+    _truncate(critic / "iter_0000004" / "model.pt", 10)
+    assert common_step([student, critic]) == 3  # the student's intact step 4 is not taken alone
+    assert common_step([student, critic], ckpt_step=4) == 4  # explicit: each load then refuses the damaged one
+    _truncate(student / "iter_0000003" / "model.pt", 10)
+    with pytest.raises(ConfigError, match="no step complete in every trainer's folder"):
+        common_step([student, critic])
