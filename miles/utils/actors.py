@@ -134,12 +134,25 @@ def start_actor(tag: ActorTag) -> None:
         log = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
         sys.stdout = _ActorStream(log, ray_stream)
         sys.stderr = _ActorStream(log, ray_stream)
+        _log_warnings_to_both()
     import faulthandler
 
     faulthandler.enable(all_threads=True)  # a crash in C leaves its stacks in the log
     with tag.log_path.open("a", encoding="utf-8") as log_file:  # the log exists under --verbose too
         log_file.write(f"[{tag.name}] started: pid {os.getpid()}\n")
     _register(tag, {"event": "start"})
+
+
+def _log_warnings_to_both() -> None:
+    """miles' own logged warnings in an actor: to its log and, as ``miles: warning: ...`` lines, to the terminal."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter(USER_LINE + "warning: %(message)s"))
+    miles_logger = logging.getLogger("miles")
+    miles_logger.addHandler(handler)
+    miles_logger.propagate = False
 
 
 def _expire(message: str) -> None:

@@ -51,6 +51,11 @@ def _worker_class() -> type:
 
             timed(time.sleep, "--custom-rm-path my.rm")(60)
 
+        def warn(self) -> None:
+            import logging
+
+            logging.getLogger("miles.rollout.health").warning("engine health check failed: %s", "timeout")
+
         async def async_boom(self) -> None:
             raise RuntimeError("async failure")
 
@@ -167,8 +172,10 @@ def test_only_the_users_lines_are_forwarded(local_ray, tmp_path: Path, capsys) -
 
     actor = _start(local_ray, tmp_path, 8)
     local_ray.get(actor.pid.remote())
+    local_ray.get(actor.warn.remote())
     log = (tmp_path / "logs" / "worker-8.log").read_text()
     assert "a line of library chatter" in log and "miles: a line the user should see" in log
+    assert "miles: warning: engine health check failed: timeout\n" in log  # a `miles: ` line: shown too
     old = terminal._DRIVER_LOG
     terminal._DRIVER_LOG = tmp_path / "driver.log"
     try:
