@@ -199,15 +199,19 @@ def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
     if fmt not in ("table", "yaml", "json"):
         raise ConfigError(f"--format {fmt}: expected table, yaml or json")
     resolved = _resolve_from_cli(ctx, kwargs.get("job"), kwargs)
+    from miles.placement.cluster import flags_cluster, parse_cluster
+
+    cluster_text = kwargs.get("cluster")
+    if cluster_text is not None and not cluster_text.strip():
+        raise ConfigError("--cluster: empty; expected NODESxGPUS, e.g. 2x8")
+    cluster = parse_cluster(cluster_text) if cluster_text else None  # checked in every --format
     print_warnings(resolved.warnings)
     print_inspect(resolved, fmt, show_all=kwargs.get("show_all", False))
     if fmt == "table":
-        from miles.placement.cluster import flags_cluster, parse_cluster
         from miles.placement.plan import make_plan
         from miles_cli.render import print_plan
 
-        cluster_text = kwargs.get("cluster")
-        cluster = parse_cluster(cluster_text) if cluster_text else flags_cluster(resolved.args)
+        cluster = cluster or flags_cluster(resolved.args)
         print_plan(make_plan(resolved.args, cluster, resolved.spec))
     if kwargs.get("check"):
         _check(resolved, to_stdout=fmt == "table")
@@ -252,6 +256,8 @@ def _plan_cluster(args: Any, cluster_text: str | None) -> Any:
 
     from miles.placement.cluster import flags_cluster, parse_cluster
 
+    if cluster_text is not None and not cluster_text.strip():
+        raise ConfigError("--cluster: empty; expected NODESxGPUS, e.g. 2x8")
     if cluster_text:
         return parse_cluster(cluster_text)
     if os.environ.get("RAY_ADDRESS"):

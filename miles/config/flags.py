@@ -140,6 +140,9 @@ class Flag:
         else:
             return
         for item in items:
+            if isinstance(item, int) and not -(2**63) <= item < 2**63:  # what torch, numpy and C code can hold
+                shown = str(item) if len(str(item)) <= 24 else f"{str(item)[:20]}... ({len(str(item))} digits)"
+                raise ConfigError(f"{where}: {shown} does not fit in 64 bits")
             if self.min is not None and item < self.min:
                 raise ConfigError(f"{where}: {item} is below the minimum {_num(self.min)}")
             if self.max is not None and item > self.max:

@@ -132,16 +132,17 @@ def parse_override(res: Resolution, text: str, roles: tuple[str, ...], base_role
 
 def add_override(res: Resolution, role: str, key: str, raw: Any, roles: tuple[str, ...], base_role: str, where: str):
     others = tuple(r for r in roles if r != base_role)
+    flag = flag_for(key)
     if role == base_role:
-        raise ConfigError(
-            f"{where}: the {base_role} takes the job's own flags; set --{key.replace('_', '-')} directly"
-        )
+        if flag is None:
+            raise ConfigError(f"{where}: unknown argument {key!r}{_suggest(to_dest(key), flags_only=True)}")
+        raise ConfigError(f"{where}: the {base_role} takes the job's own flags; set {flag.option} directly")
     if role not in others:
         have = f"this job's trainers: {', '.join(roles)}"
         raise ConfigError(f"{where}: no trainer {role!r} to override ({have})")
-    flag = flag_for(key)
     if flag is None:
-        raise ConfigError(f"{where}: unknown argument {key!r} for trainer {role!r}{_suggest(to_dest(key))}")
+        suggestion = _suggest(to_dest(key), flags_only=True)
+        raise ConfigError(f"{where}: unknown argument {key!r} for trainer {role!r}{suggestion}")
     res.trainer_overrides.setdefault(role, {})[flag.dest] = flag.parse(raw, where)
 
 
@@ -165,7 +166,9 @@ def _warn_yaml_override(res: Resolution, dest: str, value: Any, where: str) -> N
         res.warn(f"{where} overrides {res.show(dest)} with {FLAGS_BY_DEST[dest].format(value)}")
 
 
-def _suggest(dest: str) -> str:
-    names = [*FLAGS_BY_DEST, *EXTRA_FIELDS, *META_KEYS]
+def _suggest(dest: str, flags_only: bool = False) -> str:
+    """A close known key (`flags_only`: a flag, for what a trainer override may name)."""
+    names = [*FLAGS_BY_DEST] if flags_only else [*FLAGS_BY_DEST, *EXTRA_FIELDS, *META_KEYS]
+    names = [name for name in names if name != dest]
     hint = closest(dest, names)
     return f" (did you mean {hint!r}?)" if hint else ""

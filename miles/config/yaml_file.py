@@ -28,6 +28,7 @@ def load_yaml(text: str, label: str) -> tuple[Any, Node | None]:
         if node is None:
             return None, None
         check_duplicate_keys(node, label)
+        check_expanded_size(node, label)
         return loader.construct_document(node), node
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
@@ -61,7 +62,9 @@ def check_duplicate_keys(root: Node, label: str) -> None:
                 key = _key_text(key_node)
                 line = key_node.start_mark.line + 1
                 name = f"{path}.{key}" if path else key
-                identity = (key_node.tag, key)
+                # flag keys: `global-batch-size` and `global_batch_size` are the same key
+                spelled = key.replace("-", "_") if _holds_flags(path) else key
+                identity = (key_node.tag, spelled)
                 if identity in first_line:
                     raise ConfigError(
                         f"{label}:{line}: key {name!r} is given twice (first at line {first_line[identity]})"
@@ -71,6 +74,40 @@ def check_duplicate_keys(root: Node, label: str) -> None:
             stack.extend(reversed(children))
         elif isinstance(node, SequenceNode):
             stack.extend((item, f"{path}[{i}]") for i, item in reversed(list(enumerate(node.value))))
+
+
+def _holds_flags(path: str) -> bool:
+    """The top level and `trainers.<role>` hold flag names (either spelling); anything else is user data."""
+    parts = path.split(".") if path else []
+    return not parts or (len(parts) == 2 and parts[0] == "trainers")
+
+
+MAX_VALUES = 100_000  # values a document may expand to through its aliases
+
+
+def check_expanded_size(root: Node, label: str) -> None:
+    """ConfigError when aliases make the document expand past MAX_VALUES values (an 'alias bomb': a few lines
+    that every later reader, printing or copying the args, would expand into billions)."""
+    from yaml import MappingNode, SequenceNode
+
+    sizes: dict[int, int] = {}
+
+    def size(node: Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        sizes[id(node)] = 1  # a cycle counts once
+        if isinstance(node, MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, SequenceNode):
+            total = 1 + sum(size(item) for item in node.value)
+        else:
+            total = 1
+        sizes[id(node)] = min(total, MAX_VALUES + 1)
+        return sizes[id(node)]
+
+    if size(root) > MAX_VALUES:
+        raise ConfigError(f"{label}: expands to more than {MAX_VALUES:,} values through YAML aliases (&x / *x)")
 
 
 def _key_text(key_node: Node) -> str:

@@ -271,6 +271,18 @@ class TrainPipelineConfig(SglangAdapter):
         """A denoiser state dict -> {pipeline subfolder: that component's state} (for exports)."""
         return {self.transformer_subfolder: dict(state)}
 
+    def denoiser_components(self, components: tuple[str, ...] = ("transformer",)) -> tuple[str, ...]:
+        """The pipeline subfolders `load_denoiser(..., components)` loads: the experts named in `components`
+        (`--update-weight-target-module`), else the one transformer."""
+        if self.experts:
+            return tuple(name for name in self.experts if name in components)
+        return (self.transformer_subfolder,)
+
+    def compose_denoiser(self, modules: Mapping[str, Any]) -> Any:
+        """The trainer's module from components already built ({subfolder: module}, e.g. on the meta device for
+        memory estimates): what `load_denoiser` returns, without loading. Default: the one transformer."""
+        return modules[self.transformer_subfolder]
+
     def trainable_sigma_range(self, components: tuple[str, ...]) -> tuple[float, float] | None:
         """The sigmas the trained `components` denoise, as [lo, hi) (None: all): SFT and NFT draw their noise
         levels inside it when only some experts train."""

@@ -54,12 +54,20 @@ def shape(nodes: tuple[NodeSpec, ...]) -> str:
 _CLUSTER = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
+MAX_NODES = 4096  # far past any real job; the plan lists every node, so the bound keeps `miles plan` instant
+MAX_GPUS_PER_NODE = 64
+
+
 def parse_cluster(text: str) -> ClusterSpec:
     """`--cluster NxG`: N nodes with G GPUs each (CPUs unknown)."""
     match = _CLUSTER.match(text)
     if not match or int(match.group(1)) < 1:
         raise ConfigError(f"--cluster {text}: expected NODESxGPUS, e.g. 2x8 (2 nodes with 8 GPUs each)")
     nodes, gpus = int(match.group(1)), int(match.group(2))
+    if nodes > MAX_NODES or gpus > MAX_GPUS_PER_NODE:
+        raise ConfigError(
+            f"--cluster {text}: at most {MAX_NODES} nodes of {MAX_GPUS_PER_NODE} GPUs each can be planned"
+        )
     return ClusterSpec(tuple(NodeSpec(gpus=gpus) for _ in range(nodes)), source=f"--cluster {nodes}x{gpus}")
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from miles.config.errors import ConfigError
 from miles.preflight import checkpoint, cluster, data, hooks, models, replay
 from miles.preflight.base import TRAINING_JOBS, Check
+from miles.utils.text import clip
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -42,11 +43,14 @@ class Report:
     problems: list[str] = field(default_factory=list)
     checks: int = 0  # how many checks ran
     seconds: float = 0.0
+    failed: list[str] = field(default_factory=list)  # checks that crashed (a bug in miles): their warning lines
 
 
 def run_checks(resolved: ResolvedJob, checks: tuple[Check, ...] = CHECKS) -> Report:
-    """Run every check that applies to the job; a check that fails unexpectedly is reported on stderr and
-    skipped (the runtime still meets the problem), never a reason to refuse the job."""
+    """Run every check that applies to the job. A mistake in the inputs is a problem line (every check turns
+    what it meets into one); a check that still crashes is a bug in the check, not a verdict on the input: it is
+    warned about on stderr (and kept in `Report.failed`), and the job is not refused for it, since nothing would
+    let the user past a refusal they cannot fix; the runtime still reads that input with the same readers."""
     start = time.perf_counter()
     report = Report()
     for check in checks:
@@ -59,10 +63,12 @@ def run_checks(resolved: ResolvedJob, checks: tuple[Check, ...] = CHECKS) -> Rep
             report.problems.append(str(exc))
         except Exception as exc:  # a bug in a check must not stop a job the runtime could run
             first = (str(exc).strip().splitlines() or [""])[0]
-            print(
-                f"miles: warning: preflight check {check.name!r} could not run ({type(exc).__name__}: {first})",
-                file=sys.stderr,
+            line = (
+                f"preflight check {check.name!r} could not run ({type(exc).__name__}: {clip(first, 200)}), so what "
+                "it checks was not checked; please report this as a bug"
             )
+            report.failed.append(line)
+            print(f"miles: warning: {line}", file=sys.stderr)
     report.seconds = time.perf_counter() - start
     return report
 

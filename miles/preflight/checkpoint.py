@@ -89,7 +89,10 @@ def _template_dir(template: str) -> Path | None:
 
 
 def output_folders(args: Any, job: str) -> list[tuple[str, str, Path]]:
-    """(flag, value, folder) of every folder the job writes."""
+    """(flag, value, folder) of every folder the job writes. A debug-dump template derived from --dump-details
+    is listed under --dump-details (the flag the user gave), with the folder it writes."""
+    from miles.config.args import DERIVED
+
     out = [("--output-dir", str(args.output_dir), Path(str(args.output_dir)).expanduser())]
     if args.save is not None and job in ("rl", "sft", "dmd2"):
         out.append(("--save", str(args.save), Path(str(args.save)).expanduser()))
@@ -101,17 +104,33 @@ def output_folders(args: Any, job: str) -> list[tuple[str, str, Path]]:
     ):
         template = getattr(args, dest, None)
         folder = _template_dir(str(template)) if template is not None else None
-        if folder is not None:
+        if folder is None:
+            continue
+        if args.dump_details is not None and _source(args, dest) == DERIVED:
+            out.append(("--dump-details", str(args.dump_details), folder))
+        else:
             out.append((flag, str(template), folder))
     return out
 
 
+def _source(args: Any, dest: str) -> str | None:
+    try:
+        return args.source_of(dest)
+    except (AttributeError, KeyError):
+        return None
+
+
 def check_outputs(resolved: ResolvedJob) -> list[str]:
-    """Every output folder is (or can become) a writable folder."""
+    """Every output folder is (or can become) a writable folder; a problem is said once per flag (a folder under
+    one already refused under the same flag is not refused again)."""
     problems = []
+    refused: list[tuple[str, Path]] = []
     for flag, value, folder in output_folders(resolved.args, resolved.spec.name):
+        if any(flag == f and folder.is_relative_to(seen) for f, seen in refused):
+            continue  # the same mistake, seen through a folder derived from it
         problem = writable_problem(folder)
         if problem:
+            refused.append((flag, folder))
             shown = value if folder == Path(value).expanduser() else f"{value} (folder {folder})"
             problems.append(f"{flag} {shown}: {problem}; choose another {flag}")
     return problems

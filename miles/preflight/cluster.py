@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -95,9 +96,12 @@ def cpu_recipes(job: str) -> list[str]:
     return [name for *_, name in sorted(found)]
 
 
+SLOTS_PER_CPU = 2  # GPU slots of a plan run as CPU processes, at most this many per core
+
+
 def check_cluster(resolved: ResolvedJob) -> list[str]:
     """The plan fits this machine (nothing to check when the job joins the Ray cluster at $RAY_ADDRESS)."""
-    if os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS") or _ray_already_up():
         return []
     from miles.placement.cluster import ClusterSpec, NodeSpec, flags_cluster
     from miles.placement.plan import make_plan
@@ -116,7 +120,7 @@ def check_cluster(resolved: ResolvedJob) -> list[str]:
     except ConfigError as exc:
         return [str(exc)]
     slots = plan.num_gpus
-    if slots <= machine.cpus:
+    if slots <= SLOTS_PER_CPU * machine.cpus:  # each slot a process of its own: more than two a core crawls
         return []
     tiny = cpu_recipes(job.name)
     recipes = f"a CPU recipe such as {tiny[0]}" if tiny else "a CPU recipe"
@@ -124,7 +128,8 @@ def check_cluster(resolved: ResolvedJob) -> list[str]:
     plan_cmd = f"miles plan {_recipe_flag(resolved)}--cluster {nodes}x{int(args.num_gpus_per_node)}"
     return [
         f"cluster: the plan needs {slots} GPUs on {nodes} node(s) but this machine has no GPU ({machine.how}) and "
-        f"{machine.cpus} CPUs, too few to run {slots} GPU slots on CPU; run it on a GPU machine (or set "
+        f"{machine.cpus} CPUs, too few to run {slots} GPU slots on CPU (at most {SLOTS_PER_CPU} a CPU); "
+        "run it on a GPU machine (or set "
         f"RAY_ADDRESS to a GPU cluster), plan only with `{plan_cmd}`, or start from {recipes} "
         "(`miles recipes` lists them)"
     ]
@@ -134,3 +139,10 @@ def _recipe_flag(resolved: ResolvedJob) -> str:
     label = resolved.recipe or ""
     name = label.removeprefix("recipe ") if label else ""
     return f"--recipe {name} " if name else ""
+
+
+def _ray_already_up() -> bool:
+    """This process already holds a Ray connection (a simulated-GPU cluster of a test or a notebook): the job
+    runs on it (`init_ray` joins it), so the runtime plans against Ray's view. Never imports Ray."""
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())

@@ -3,8 +3,12 @@ uses (`miles.rollout.prompt_file`), so a problem is the line the runtime would h
 
 A prompt line must parse, carry a non-empty string at `--input-key` and an object (or nothing) at
 `--metadata-key`, and hold what its reward needs (`miles.rollout.rm_hub.dispatch.check_reward_inputs`: a digit
-label, a quoted OCR target). An SFT row names an image (or video) file that exists. Built-in data sets pass
-(they are generated on first use).
+label, a quoted OCR target). An SFT row names its caption (a non-empty string) and an image (or video) file that
+exists; an image must decode (PIL's `verify`, a read of the file without decoding every pixel). Built-in data sets
+pass (they are generated on first use). A URL is refused as the user wrote it (only local files are read).
+
+"; fix or remove that line" follows a problem of one line of a file (`file:LINE: ...`), never one of the file as
+a whole.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.config.errors import ConfigError
-from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields
+from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields, url_problem
 from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:
@@ -96,11 +100,30 @@ def scan_sft_file(path: Path, input_key: str) -> None:
         name = row[key]
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: {key!r} must be a file path, got {kind(name)}")
-        if not (path.parent / name).is_file():
-            raise ConfigError(f"{where}: SFT {key} not found: {clip(str(path.parent / name), 160)}")
+        file = path.parent / name
+        if not file.is_file():
+            raise ConfigError(f"{where}: SFT {key} not found: {clip(str(file), 160)}")
+        if key == "image":
+            _check_image(where, file)
         count += 1
     if not count:
         raise ConfigError(f"{path}: no SFT rows")
+
+
+def _check_image(where: str, file: Path) -> None:
+    """ConfigError naming `where` unless PIL can read `file` as an image (`verify`: headers and checksums)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(file) as image:
+            image.verify()
+    except UnidentifiedImageError:
+        raise ConfigError(
+            f"{where}: SFT image {clip(str(file), 160)} does not decode (not an image PIL knows)"
+        ) from None
+    except Exception as exc:  # a damaged file: OSError, SyntaxError, ValueError, struct.error, ...
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{where}: SFT image {clip(str(file), 160)} does not decode ({clip(detail, 120)})") from None
 
 
 def _job_scores_prompts(resolved: ResolvedJob) -> bool:
@@ -115,6 +138,9 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
     job = resolved.spec.name
     if spec is None or _builtin(spec) or args.load_debug_rollout_data is not None:
         return []
+    url = url_problem(str(spec), "SFT data" if job == "sft" else "prompt data")
+    if url:
+        return [f"--prompt-data {url}"]
     path = Path(str(spec)).expanduser()
     try:
         if job == "sft":
@@ -130,13 +156,17 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
             checks.append(_first_row_has_image(args))
         scan_prompt_file(path, args.input_key, args.metadata_key, checks)
     except ConfigError as exc:
-        return [f"--prompt-data {exc}{_hint(str(exc))}"]
+        return [f"--prompt-data {exc}{_hint(str(exc), path)}"]
     return []
 
 
-def _hint(message: str) -> str:
-    head = message.split(": ", 1)[0]
-    return f"; {_REMEDY}" if head.rsplit(":", 1)[-1].isdigit() else ""
+def _hint(message: str, path: Path) -> str:
+    """'; fix or remove that line' after a problem of one line of `path` (`path:LINE: ...`), else nothing."""
+    prefix = f"{path}:"
+    if not message.startswith(prefix):
+        return ""
+    line, sep, _ = message[len(prefix) :].partition(": ")
+    return f"; {_REMEDY}" if sep and line.isdigit() else ""
 
 
 def eval_data_used(resolved: ResolvedJob) -> bool:
@@ -175,9 +205,14 @@ def check_eval_data(resolved: ResolvedJob) -> list[str]:
     for label, spec in sets:
         if _builtin(spec):
             continue
+        url = url_problem(spec)
+        if url:
+            problems.append(f"{label} {url}")
+            continue
+        path = Path(spec).expanduser()
         try:
             key = args.eval_input_key or args.input_key
-            scan_prompt_file(Path(spec).expanduser(), key, args.metadata_key, [reward] if reward else [])
+            scan_prompt_file(path, key, args.metadata_key, [reward] if reward else [])
         except ConfigError as exc:
-            problems.append(f"{label} {exc}{_hint(str(exc))}")
+            problems.append(f"{label} {exc}{_hint(str(exc), path)}")
     return problems

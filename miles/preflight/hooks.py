@@ -1,19 +1,32 @@
 """Hooks: every dotted-path flag names something importable, of the right kind, callable the way miles calls it.
 
 A user hook is imported (`miles.utils.hooks.load_object`, the loader the runtime uses; importing your module
-may import torch, only here); a path inside miles itself is checked without importing it (its module exists and
-defines the name, read from the source), so the shipped recipes stay torch-free. The calls below are the
-documented ones (miles.rollout.rollout_hooks, miles.training.custom_hooks, miles.rollout.filter_hub, ...).
+may import torch, only here), guarded: what the module prints while it is imported is dropped (it cannot pose as
+miles' own output), an exit at import (`sys.exit`, argparse's `parse_args`) or another BaseException is one
+problem line, and an import that has not finished after `IMPORT_DEADLINE_S` is one too (Ctrl-C still stops it).
+
+A path inside miles itself is checked without importing it (its module exists and defines the name as a function
+or class, read from the source), so the shipped recipes stay torch-free; a name the source binds to a literal is
+refused from the source, one bound to another expression is imported. The calls below are the documented ones
+(miles.rollout.rollout_hooks, miles.training.custom_hooks, miles.rollout.filter_hub, ...).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
 import importlib.util
 import inspect
+import os
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from miles.config.errors import ConfigError
 
@@ -69,6 +82,8 @@ HOOKS: tuple[Hook, ...] = (
 # checked by their own loaders (not plain hooks)
 SPECIAL = ("train_pipeline_config_path",)
 
+IMPORT_DEADLINE_S = 60.0  # a hook module that has not finished importing by then is refused
+
 
 def _flag(dest: str) -> str:
     from miles.config.catalog import FLAGS_BY_DEST
@@ -90,13 +105,19 @@ def check_hooks(resolved: ResolvedJob) -> list[str]:
             problems.append(str(exc))
     path = getattr(args, "train_pipeline_config_path", None)
     if path:
-        from miles.models.families import load_user_pipeline_config
-
         try:
-            load_user_pipeline_config(str(path))
+            check_pipeline_config(str(path).strip(), _flag("train_pipeline_config_path"))
         except ConfigError as exc:
             problems.append(str(exc))
     return problems
+
+
+def check_pipeline_config(path: str, flag: str) -> None:
+    """`--train-pipeline-config-path`: importable (guarded, as hooks are), then a TrainPipelineConfig."""
+    from miles.models.families import load_user_pipeline_config
+
+    import_hook_object(path, flag)  # a missing module is named as such, an exit or a hang at import is caught
+    load_user_pipeline_config(path, flag)
 
 
 def _is_stock(hook: Hook, path: str) -> bool:
@@ -110,12 +131,13 @@ def _is_stock(hook: Hook, path: str) -> bool:
 
 def check_hook(hook: Hook, path: str, flag: str) -> None:
     """ConfigError (one line: flag, path, what is wrong, the documented call) unless `path` fits `hook`."""
-    if path.startswith("miles.") and ":" not in path:
-        _check_miles_path(hook, path, flag)
+    if path.startswith("miles.") and ":" not in path and _check_miles_path(hook, path, flag):
         return
-    from miles.utils.hooks import load_object
+    check_object(hook, path, flag, import_hook_object(path, flag))
 
-    obj = load_object(path, flag)
+
+def check_object(hook: Hook, path: str, flag: str, obj: Any) -> None:
+    """ConfigError unless the imported `obj` is of the kind `hook` names and takes its call."""
     if hook.is_class:
         if not isinstance(obj, type):
             raise ConfigError(f"{flag} {path!r}: names a {type(obj).__name__}, not a class; expected {hook.call}")
@@ -145,7 +167,99 @@ def _call_problem(obj: Any, hook: Hook) -> str | None:
     return None
 
 
-# ---- paths inside miles: read the source, import nothing ------------------------------------------------------
+# ---- importing a hook module, guarded ---------------------------------------------------------------------------
+class _ImportTimeout(BaseException):
+    """The import deadline passed. A BaseException, so no `except Exception` on the way (in the module, or in the
+    loader's search for the module) can swallow it."""
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """Raise `_ImportTimeout` in the body after `seconds` (SIGALRM: the main thread only; elsewhere no limit)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _ImportTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@functools.cache
+def _devnull() -> TextIO:
+    """One os.devnull file for the process, never closed: a module may keep the stream it saw at import."""
+    return open(os.devnull, "r+", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _silenced() -> Iterator[None]:
+    """Drop what the body prints (stdout, stderr, warnings) and give it an empty stdin (`input()` at import fails
+    at once instead of waiting on the terminal). A real file, so a module that asks for `fileno()` still imports."""
+    null = _devnull()
+    saved = sys.stdin, sys.stdout, sys.stderr
+    sys.stdin = sys.stdout = sys.stderr = null
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved
+
+
+def _unfinished_module(path: str) -> str:
+    """The first module on `path`'s way that is not imported: the one whose import stopped (a failed import is
+    removed from sys.modules)."""
+    dotted = path.partition(":")[0]
+    parts = dotted.split(".")
+    for cut in range(1, len(parts) + 1):
+        name = ".".join(parts[:cut])
+        if name not in sys.modules:
+            return name
+    return dotted
+
+
+def _exception_text(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def import_hook_object(path: str, flag: str, seconds: float | None = None) -> Any:
+    """`load_object(path, flag)` (the runtime's loader), its output dropped, under a deadline (default
+    `IMPORT_DEADLINE_S`); an exit, a BaseException or the deadline at import is a ConfigError naming `flag` and
+    the module. KeyboardInterrupt (Ctrl-C) goes through."""
+    from miles.utils.hooks import load_object
+
+    limit = IMPORT_DEADLINE_S if seconds is None else seconds
+    try:
+        with _silenced(), _alarm(limit):
+            return load_object(path, flag)
+    except (KeyboardInterrupt, Exception):
+        raise  # Ctrl-C; a ConfigError of the loader (an Exception at import is one already)
+    except _ImportTimeout:
+        raise ConfigError(
+            f"{flag} {path!r}: importing {_unfinished_module(path)!r} did not finish within {limit:g} s; a module "
+            "must not wait at import (on a server, a lock, input()): do that inside the function"
+        ) from None
+    except SystemExit as exc:
+        raise ConfigError(
+            f"{flag} {path!r}: cannot import module {_unfinished_module(path)!r} ({_exception_text(exc)}); it exits "
+            "when imported (sys.exit, or argparse's parse_args at module level): move that under "
+            '`if __name__ == "__main__":`'
+        ) from None
+    except BaseException as exc:  # GeneratorExit, a BaseException subclass of the module's own
+        raise ConfigError(
+            f"{flag} {path!r}: cannot import module {_unfinished_module(path)!r} ({_exception_text(exc)})"
+        ) from None
+
+
+# ---- paths inside miles: read the source, import only what the source cannot tell ------------------------------
 def _module_tree(module: str) -> ast.Module | None:
     try:
         spec = importlib.util.find_spec(module)
@@ -157,25 +271,64 @@ def _module_tree(module: str) -> ast.Module | None:
 
 
 def _names(body: list[ast.stmt]) -> dict[str, ast.AST]:
-    """The names a module or class body defines: functions, classes, assignments, imports."""
+    """The names a module or class body defines (the last binding wins): functions, classes, assignments
+    (`a, b = ...` too), imports, and whatever an `if`/`try`/`with`/loop block binds (that block is the node: only
+    running the module tells which binding holds)."""
     names: dict[str, ast.AST] = {}
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names[node.name] = node
         elif isinstance(node, ast.Assign):
             for target in node.targets:
-                if isinstance(target, ast.Name):
-                    names[target.id] = node
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.update(dict.fromkeys(_target_names(target), node))
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
             names[node.target.id] = node
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 names[alias.asname or alias.name.partition(".")[0]] = node
+        elif isinstance(node, _BLOCKS):
+            names.update(dict.fromkeys(_bound_inside(node), node))
     return names
 
 
-def _check_miles_path(hook: Hook, path: str, flag: str) -> None:
-    """A path inside miles: the longest prefix that is a module, then each attribute defined in its source."""
+_BLOCKS = (ast.If, ast.Try, ast.TryStar, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While, ast.Match)
+
+
+def _target_names(target: ast.expr) -> list[str]:
+    """The names an assignment target binds: `a`, `a, b`, `[a, *b]`."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Starred):
+        return _target_names(target.value)
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [name for item in target.elts for name in _target_names(item)]
+    return []
+
+
+def _bound_inside(block: ast.stmt) -> set[str]:
+    """The names a compound statement binds at the level of the body it sits in (not inside its functions)."""
+    names: set[str] = set()
+    stack: list[ast.AST] = [block]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue  # its own body is another namespace
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.partition(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        if not isinstance(node, ast.Lambda):
+            stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def _check_miles_path(hook: Hook, path: str, flag: str) -> bool:
+    """A path inside miles: the longest prefix that is a module, then each attribute defined in its source.
+    True: settled from the source; False: the name is bound by an expression only importing tells (the caller
+    imports the module)."""
     parts = path.split(".")
     for cut in range(len(parts) - 1, 1, -1):
         module, attrs = ".".join(parts[:cut]), parts[cut:]
@@ -190,17 +343,78 @@ def _check_miles_path(hook: Hook, path: str, flag: str) -> None:
         body = getattr(node, "body", None)
         found = _names(body).get(attr) if isinstance(body, list) else None
         if found is None:
+            if isinstance(node, _ASSIGNMENTS):
+                return False  # an attribute of an assigned object: importing tells
             inherited = isinstance(node, ast.ClassDef) and bool(node.bases)
             if inherited or not isinstance(node, (ast.Module, ast.ClassDef)):
-                return  # inherited, or an attribute of an assigned or imported object: the runtime resolves it
+                return True  # inherited, or an attribute of an imported object: the runtime resolves it
             raise ConfigError(f"{flag} {path!r}: {walked!r} has no attribute {attr!r}; expected {hook.call}")
+        if isinstance(found, _BLOCKS):
+            return False  # bound inside an if/try block: importing tells which binding holds
         node, walked = found, f"{walked}.{attr}"
+    if isinstance(node, _ASSIGNMENTS):
+        literal = _literal_type(tree, node, attrs[0]) if len(attrs) == 1 else None
+        if literal is None:
+            return False  # bound to an expression (`X = make()`, `X = 1 << 20`): import the module
+        expected = "class" if hook.is_class else "function"
+        raise ConfigError(f"{flag} {path!r}: names a {literal}, not a {expected}; expected {hook.call}")
     if hook.is_class and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         raise ConfigError(f"{flag} {path!r}: names a function, not a class; expected {hook.call}")
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not hook.is_class and len(attrs) == 1:
         problem = _ast_call_problem(node.args, hook)
         if problem:
             raise ConfigError(f"{flag} {path!r}: {problem}; miles calls {hook.call}")
+    return True
+
+
+_ASSIGNMENTS = (ast.Assign, ast.AnnAssign, ast.AugAssign)
+
+
+def _literal_type(tree: ast.Module, node: ast.stmt, name: str) -> str | None:
+    """The type name of the literal a module-level assignment binds to `name` (`int`, `str`, ...), when the
+    module binds `name` nowhere else; None when only running the module tells (an expression, another binding)."""
+    value = _assigned_value(node, name)
+    if value is None:
+        return None
+    try:
+        literal = ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return type(literal).__name__ if _bindings(tree, name) == 1 else None
+
+
+def _assigned_value(node: ast.stmt, name: str) -> ast.expr | None:
+    """The expression `node` assigns to `name`: the value of `name = v` or `x: T = v`, the matching item of
+    `a, name = (u, v)`; None for anything else (an augmented or starred assignment, an unpacked expression)."""
+    if isinstance(node, ast.AnnAssign):
+        return node.value
+    if not isinstance(node, ast.Assign):
+        return None
+    for target in node.targets:
+        if isinstance(target, ast.Name) and target.id == name:
+            return node.value
+        if isinstance(target, (ast.Tuple, ast.List)) and isinstance(node.value, (ast.Tuple, ast.List)):
+            items = target.elts
+            if len(items) == len(node.value.elts) and not any(isinstance(i, ast.Starred) for i in items):
+                for item, value in zip(items, node.value.elts, strict=True):
+                    if isinstance(item, ast.Name) and item.id == name:
+                        return value
+    return None
+
+
+def _bindings(tree: ast.Module, name: str) -> int:
+    """How many statements or expressions anywhere in `tree` bind `name` (assignments, defs, imports, globals)."""
+    return sum(_binds(node, name) for node in ast.walk(tree))
+
+
+def _binds(node: ast.AST, name: str) -> bool:
+    if isinstance(node, ast.Name):
+        return isinstance(node.ctx, ast.Store) and node.id == name
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, ast.alias):
+        return (node.asname or node.name.partition(".")[0]) == name
+    return isinstance(node, ast.Global) and name in node.names
 
 
 def _ast_call_problem(params: ast.arguments, hook: Hook) -> str | None:

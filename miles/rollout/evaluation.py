@@ -32,31 +32,115 @@ class EvalDataset:
     num_steps: int | None = None
 
 
+# what an --eval-config file holds: `datasets`, a list of rows of these keys (name and path required)
+EVAL_CONFIG_KEYS = ("datasets",)
+DATASET_KEYS = ("name", "path", "n_samples_per_eval_prompt", "num_steps")
+
+
 def eval_datasets(args: Any) -> list[EvalDataset]:
     n = int(args.n_samples_per_eval_prompt or 1)
     if args.eval_config:
-        from miles.config.layering import load_config_file
-
-        path = Path(args.eval_config)
-        data = load_config_file(path, f"--eval-config {path}").data  # strict: a key given twice is refused
-        rows = data.get("datasets")
-        if not isinstance(rows, list) or not rows:
-            raise ConfigError(f"--eval-config {path}: expected a mapping with a non-empty 'datasets' list")
-        out = []
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict) or "name" not in row or "path" not in row:
-                raise ConfigError(f"--eval-config {path}: datasets[{i}] needs 'name' and 'path'")
-            where = f"--eval-config {path}: datasets[{i}]"
-            out.append(
-                EvalDataset(
-                    str(row["name"]),
-                    str(row["path"]),
-                    _positive_int(row.get("n_samples_per_eval_prompt", n), f"{where}.n_samples_per_eval_prompt"),
-                    None if row.get("num_steps") is None else _positive_int(row["num_steps"], f"{where}.num_steps"),
-                )
-            )
-        return out
+        return _config_datasets(Path(args.eval_config), n)
     return [EvalDataset(name, spec, n) for name, spec in (args.eval_prompt_data or {}).items()]
+
+
+def _config_datasets(path: Path, n: int) -> list[EvalDataset]:
+    """The datasets of an --eval-config file; ConfigError naming `file:line: key` where the YAML gives the line."""
+    from miles.config.layering import load_config_file
+
+    label = f"--eval-config {path}"
+    config = load_config_file(path, label)  # strict: a key given twice is refused
+    lines = _key_lines(path)
+    for key in config.data:
+        if str(key) not in EVAL_CONFIG_KEYS:
+            raise ConfigError(f"{config.where(str(key))}: unknown key{_did_you_mean(str(key), EVAL_CONFIG_KEYS)}")
+    rows = config.data.get("datasets")
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"{label}: expected a mapping with a non-empty 'datasets' list")
+    out: list[EvalDataset] = []
+    first_line: dict[str, int | None] = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or "name" not in row or "path" not in row:
+            raise ConfigError(f"{label}: datasets[{i}] needs 'name' and 'path'")
+        at = _RowKeys(label, i, lines[i] if i < len(lines) else {})
+        for key in row:
+            if str(key) not in DATASET_KEYS:
+                raise ConfigError(f"{at(str(key))}: unknown key{_did_you_mean(str(key), DATASET_KEYS)}")
+        name = _text(row["name"], "name", at("name"))
+        if name in first_line:
+            seen = first_line[name]
+            raise ConfigError(
+                f"{at('name')}: the name {name!r} is given twice" + (f" (first at line {seen})" if seen else "")
+            )
+        first_line[name] = at.line("name")
+        out.append(
+            EvalDataset(
+                name,
+                _text(row["path"], "path", at("path")),
+                _positive_int(row.get("n_samples_per_eval_prompt", n), at("n_samples_per_eval_prompt")),
+                None if row.get("num_steps") is None else _positive_int(row["num_steps"], at("num_steps")),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class _RowKeys:
+    """Where a key of `datasets[index]` is, for messages: `--eval-config FILE:LINE: key 'datasets[0].path'`."""
+
+    label: str
+    index: int
+    lines: dict[str, int]
+
+    def line(self, key: str) -> int | None:
+        return self.lines.get(key)
+
+    def __call__(self, key: str) -> str:
+        line = self.lines.get(key)
+        return f"{self.label}{f':{line}' if line else ''}: key 'datasets[{self.index}].{key}'"
+
+
+def _text(value: Any, key: str, where: str) -> str:
+    """A dataset's name or path: a non-empty string (a YAML number is taken as its text)."""
+    from miles.rollout.prompt_file import kind
+
+    what = "prompt JSONL file (or a built-in data set)" if key == "path" else "name (metrics: eval/<name>/...)"
+    if value is None:
+        raise ConfigError(f"{where}: {key} is null; give the dataset's {what}")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{where}: {key} must be a string, got {kind(value)}")
+    text = str(value)
+    if not text.strip():
+        raise ConfigError(f"{where}: {key} is empty; give the dataset's {what}")
+    return text
+
+
+def _did_you_mean(key: str, keys: tuple[str, ...]) -> str:
+    from miles.config.flags import closest
+
+    hint = closest(key, keys)
+    return f" (did you mean {hint!r}?)" if hint else f"; known keys: {', '.join(map(repr, keys))}"
+
+
+def _key_lines(path: Path) -> list[dict[str, int]]:
+    """{key: line} of each row of `datasets` in the YAML file (empty where the file does not give them)."""
+    from yaml import MappingNode, SequenceNode
+
+    from miles.config.yaml_file import load_yaml
+
+    try:
+        _, root = load_yaml(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError, ConfigError):
+        return []  # load_config_file has read it once already: nothing new to say
+    if not isinstance(root, MappingNode):
+        return []
+    for key_node, value_node in root.value:
+        if getattr(key_node, "value", None) == "datasets" and isinstance(value_node, SequenceNode):
+            return [
+                {str(k.value): k.start_mark.line + 1 for k, _ in row.value} if isinstance(row, MappingNode) else {}
+                for row in value_node.value
+            ]
+    return []
 
 
 def _positive_int(value: Any, where: str) -> int:

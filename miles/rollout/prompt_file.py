@@ -5,14 +5,17 @@ One object per line (blank lines are skipped):
 `--input-key` names the prompt (a required, non-empty string); `--metadata-key` names an optional dict.
 
 The file is streamed, so a million lines cost seconds, not memory; a line longer than `MAX_LINE_BYTES` is
-refused without being read whole. Every problem is a one-line `ConfigError` that starts with `file:line`
-and quotes no user data beyond `CLIP` characters.
+refused without being read whole. Every problem is a one-line `ConfigError` that starts with `file:line` (or the
+file, for the file as a whole) and quotes no user data beyond `CLIP` characters. Only regular local files are
+read: a FIFO or a device (`/dev/zero`) is refused before it is opened, a URL is named as the user gave it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +25,7 @@ from miles.config.errors import ConfigError
 from miles.utils.text import clip
 
 MAX_LINE_BYTES = 1 << 20  # 1 MiB: a prompt line is one JSON object, never a whole data set
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,20 @@ def show_keys(row: dict[str, Any], limit: int = 8) -> str:
     return (shown + f", ... ({len(keys)} keys)") if len(keys) > limit else (shown or "none")
 
 
+def url_problem(spec: str | os.PathLike, what: str = "prompt data") -> str | None:
+    """The line for a `spec` that is a URL (`https://...`, `hf://...`), quoted as given; None for a path."""
+    text = os.fspath(spec)
+    if isinstance(text, str) and _URL.match(text):
+        return f"{clip(text, 160)}: is a URL, and miles does not read URLs; download it and give a local {what} file"
+    return None
+
+
 def _open(path: Path, what: str):
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory, not a {what} file (name the .jsonl file inside it)")
     if not path.is_file():
+        if path.exists():  # a FIFO, a device, a socket: reading it may never end
+            raise ConfigError(f"{path}: is not a regular file (a device, FIFO or socket); give a {what} file")
         raise ConfigError(f"{path}: {what} file not found")
     try:
         return path.open("rb")
@@ -63,6 +77,9 @@ def iter_jsonl_objects(
 ) -> Iterator[tuple[str, int, dict[str, Any]]]:
     """`(file:line, line, object)` for every non-blank line of a JSONL file, streamed; any problem is a
     one-line ConfigError naming the file (and the line)."""
+    url = url_problem(path, what)
+    if url:
+        raise ConfigError(url)
     path = Path(path)
     handle = _open(path, what)
     name = str(path)
@@ -88,15 +105,27 @@ def iter_jsonl_objects(
                 raise ConfigError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start + 1})") from None
             if not raw.strip():
                 continue
-            try:
-                row = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-            except RecursionError:
-                raise ConfigError(f"{where}: malformed JSON (nested too deeply)") from None
+            row = _parse_line(where, raw)
             if not isinstance(row, dict):
                 raise ConfigError(f"{where}: expected a JSON object, got {kind(row)}")
             yield where, lineno, row
+
+
+def _parse_line(where: str, raw: str) -> Any:
+    """One line's JSON value; ConfigError naming `where` for anything `json.loads` refuses."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: malformed JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        if "integer string conversion" in str(exc):
+            limit = sys.get_int_max_str_digits()
+            raise ConfigError(
+                f"{where}: a number of more than {limit:,} digits (Python's limit for reading an integer)"
+            ) from None
+        raise ConfigError(f"{where}: malformed JSON ({clip(str(exc).splitlines()[0], 120)})") from None
 
 
 def prompt_fields(
@@ -105,17 +134,23 @@ def prompt_fields(
     """`(prompt, metadata)` of one line; ConfigError naming `where` when the line is not a prompt line."""
     if input_key not in row:
         raise ConfigError(f"{where}: missing key {input_key!r} (--input-key); keys: {show_keys(row)}")
-    prompt = row[input_key]
-    if not isinstance(prompt, str):
-        raise ConfigError(f"{where}: {input_key!r} must be a string, got {kind(prompt)}")
-    if not prompt.strip():
-        raise ConfigError(f"{where}: {input_key!r} is empty")
+    prompt = text_field(where, row, input_key)
     metadata: Any = {}
     if metadata_key is not None and row.get(metadata_key) is not None:
         metadata = row[metadata_key]
         if not isinstance(metadata, dict):
             raise ConfigError(f"{where}: {metadata_key!r} (--metadata-key) must be a dict, got {kind(metadata)}")
     return prompt, metadata
+
+
+def text_field(where: str, row: dict[str, Any], key: str) -> str:
+    """`row[key]`, a non-empty string (a prompt, a caption); ConfigError naming `where` otherwise."""
+    value = row[key]
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: {key!r} must be a string, got {kind(value)}")
+    if not value.strip():
+        raise ConfigError(f"{where}: {key!r} is empty")
+    return value
 
 
 def prompt_record(
@@ -127,9 +162,11 @@ def prompt_record(
 
 
 def check_sft_row(where: str, row: dict[str, Any], input_key: str) -> None:
-    """An SFT row names its image (or video) and its caption at `--input-key`; ConfigError naming `where`."""
+    """An SFT row names its image (or video) and its caption at `--input-key`, a non-empty string (as a prompt
+    line's prompt is); ConfigError naming `where`."""
     if ("image" not in row and "video" not in row) or input_key not in row:
         raise ConfigError(f"{where}: an SFT row needs 'image' (or 'video') and {input_key!r} (--input-key)")
+    text_field(where, row, input_key)
 
 
 def iter_prompt_records(

@@ -140,42 +140,86 @@ def checkpoint_problems(folder: str | os.PathLike, verify: Verify = "size") -> l
     if not manifest_path.exists():
         return []  # saved before manifests: accepted as it is (a torch.load failure is still named at load)
     where = f"{folder.name}/{MANIFEST_FILE}"
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files: dict[str, Any] = manifest["files"]
-        if not isinstance(files, dict):
-            raise TypeError("files is not a mapping")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        return [f"{where} is unreadable ({type(exc).__name__})"]
+    manifest, problem = read_manifest(manifest_path)
+    if problem is not None:
+        return [f"{where} {problem}"]
     algorithm = manifest.get("checksum", CHECKSUM)
     problems = []
-    for name, entry in sorted(files.items()):
-        path = folder / name
-        shown = f"{folder.name}/{name}"
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{shown} is missing")
-            continue
-        except OSError as exc:
-            problems.append(f"{shown} cannot be read ({exc.strerror})")
-            continue
-        expected = int(entry.get("size", -1)) if isinstance(entry, dict) else -1
-        if expected < 0:
-            problems.append(f"{where} has no size for {name}")
-        elif size < expected:
-            problems.append(f"{shown} is truncated ({size:,} of {expected:,} bytes)")
-        elif size > expected:
-            problems.append(f"{shown} has {size:,} bytes, not the {expected:,} it was saved with")
-        elif verify == "full" and algorithm == CHECKSUM and entry.get(CHECKSUM) is not None:
-            try:
-                actual = file_checksum(path)
-            except OSError as exc:
-                problems.append(f"{shown} cannot be read ({exc.strerror})")
-                continue
-            if actual != entry[CHECKSUM]:
-                problems.append(f"{shown} is corrupted (its {CHECKSUM} does not match the one saved with it)")
+    for name, entry in sorted(manifest["files"].items()):
+        problem = _file_problem(folder, name, entry, verify == "full" and algorithm == CHECKSUM)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def read_manifest(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(manifest, None), or ({}, what is wrong with it: 'is unreadable (...)', 'is not a valid manifest (...)'):
+    an object whose 'files' maps plain file names to {"size": bytes, "crc32"?: hex}."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return {}, f"is unreadable ({type(exc).__name__})"
+    why = _manifest_shape_problem(manifest)
+    return (manifest, None) if why is None else ({}, f"is not a valid manifest ({why})")
+
+
+def _manifest_shape_problem(manifest: Any) -> str | None:
+    if not isinstance(manifest, dict):
+        return f"{_kind(manifest)}, not an object"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "no 'files' mapping" if files is None else f"'files' is {_kind(files)}, not a mapping"
+    for name, entry in files.items():
+        shown = _clip(name)
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            return f"{json.dumps(shown)} is not a file name of the checkpoint folder"
+        if not isinstance(entry, dict):
+            return f"the entry of {shown} is {_kind(entry)}, not a mapping"
+        size = entry.get("size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            return f"the size of {shown} is {_clip(json.dumps(size))}, not a byte count"
+        checksum = entry.get(CHECKSUM)
+        if checksum is not None and not isinstance(checksum, str):
+            return f"the {CHECKSUM} of {shown} is {_clip(json.dumps(checksum))}, not a hex string"
+    return None
+
+
+def _kind(value: Any) -> str:
+    """What a JSON value is, for messages: 'a list', 'a number', ..."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a bool", type(None): "null"}
+    return names.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _file_problem(folder: Path, name: str, entry: dict[str, Any], full: bool) -> str | None:
+    """What is wrong with one file the manifest lists (None: its size, and with `full` its checksum, match)."""
+    path = folder / name
+    shown = f"{folder.name}/{name}"
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{shown} is missing"
+    except OSError as exc:
+        return f"{shown} cannot be read ({exc.strerror})"
+    expected = entry.get("size")
+    if expected is None:
+        return f"{folder.name}/{MANIFEST_FILE} has no size for {name}"
+    if size < expected:
+        return f"{shown} is truncated ({size:,} of {expected:,} bytes)"
+    if size > expected:
+        return f"{shown} has {size:,} bytes, not the {expected:,} it was saved with"
+    if not full or entry.get(CHECKSUM) is None:
+        return None
+    try:
+        actual = file_checksum(path)
+    except OSError as exc:
+        return f"{shown} cannot be read ({exc.strerror})"
+    if actual != entry[CHECKSUM]:
+        return f"{shown} is corrupted (its {CHECKSUM} does not match the one saved with it)"
+    return None
 
 
 def find_loadable_checkpoint(

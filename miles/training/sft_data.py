@@ -70,7 +70,11 @@ def _load_image(path: Path, size: tuple[int, int]) -> np.ndarray:
 
     if not path.is_file():
         raise ConfigError(f"SFT image not found: {path}")
-    image = Image.open(path).convert("RGB")
+    try:
+        image = Image.open(path).convert("RGB")
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"SFT image {path} does not decode ({detail[:120]})") from None
     w, h = image.size
     side = min(w, h)
     image = image.crop(((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2))

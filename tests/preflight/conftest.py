@@ -3,16 +3,14 @@ Hugging Face cache. No test here builds a model or starts Ray."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from preflight_helpers import Job
 
-from miles.config.resolve import ResolvedJob, resolve
+from miles.config.resolve import resolve
 from miles.preflight import cluster
-
-Job = Callable[..., ResolvedJob]
 
 
 @pytest.fixture(autouse=True)

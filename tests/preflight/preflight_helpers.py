@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from miles.config.resolve import ResolvedJob
+
+# the `job` fixture's type (tests import it from here: `conftest` is a name every test folder uses)
+Job = Callable[..., ResolvedJob]
 
 
 def write_lines(path: Path, lines: list[Any]) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import Job
+from preflight_helpers import Job
 
 from miles.preflight import find_problems
 from miles.preflight.checkpoint import check_load, check_outputs
@@ -79,3 +79,35 @@ def test_save_that_is_a_file_and_a_dump_template_under_one(job: Job, tmp_path: P
 
 def test_writable_outputs_pass(job: Job, tmp_path: Path) -> None:
     assert check_outputs(job("rl", save=str(tmp_path / "new" / "ckpt"))) == []
+
+
+def test_load_of_a_checkpoint_whose_manifest_is_damaged(job: Job, tmp_path: Path) -> None:
+    import json
+
+    folder = _checkpoint(tmp_path / "ckpt", 3)
+    files = {name: {"size": (folder / name).stat().st_size} for name in ("model.pt", "lr_scheduler.pt")}
+    files["model.pt"]["size"] = "abc"
+    (folder / "manifest.json").write_text(json.dumps({"version": 1, "files": files}))
+    assert find_problems(job("rl", load=str(tmp_path / "ckpt"))) == [
+        f"--load {tmp_path / 'ckpt'}: no complete checkpoint: iter_0000003/manifest.json is not a valid manifest "
+        '(the size of model.pt is "abc", not a byte count)'
+    ]
+
+
+def test_dump_details_under_a_file_is_one_problem(job: Job, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    dump = blocker / "x"
+    assert check_outputs(job("rl", dump_details=str(dump))) == [
+        f"--dump-details {dump}: cannot be created: {blocker} is a file, not a folder; choose another --dump-details"
+    ]
+
+
+def test_a_derived_dump_folder_is_named_under_dump_details(job: Job, tmp_path: Path) -> None:
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "rollout_data").write_text("")
+    assert check_outputs(job("rl", dump_details=str(dump))) == [
+        f"--dump-details {dump} (folder {dump / 'rollout_data'}): is a file, not a folder; choose another "
+        "--dump-details"
+    ]

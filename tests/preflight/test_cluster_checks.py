@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Job
+from preflight_helpers import Job
 
 from miles.config.errors import ConfigError
 from miles.preflight import cluster, find_problems, preflight
@@ -22,16 +22,27 @@ def test_a_gpu_plan_on_a_small_cpu_machine_is_refused(job: Job, monkeypatch: pyt
     _machine(monkeypatch, gpus=0, cpus=2)
     assert check_cluster(job("dmd2", recipe="sd35-4step")) == [
         "cluster: the plan needs 8 GPUs on 1 node(s) but this machine has no GPU (no /dev/nvidia* device, no "
-        "nvidia-smi GPU) and 2 CPUs, too few to run 8 GPU slots on CPU; run it on a GPU machine (or set "
-        "RAY_ADDRESS to a GPU cluster), plan only with `miles plan --recipe sd35-4step --cluster 1x8`, or start "
-        "from a CPU recipe such as tiny-digits-4step (`miles recipes` lists them)"
+        "nvidia-smi GPU) and 2 CPUs, too few to run 8 GPU slots on CPU (at most 2 a CPU); run it on a GPU machine "
+        "(or set RAY_ADDRESS to a GPU cluster), plan only with `miles plan --recipe sd35-4step --cluster 1x8`, "
+        "or start from a CPU recipe such as tiny-digits-4step (`miles recipes` lists them)"
     ]
 
 
 def test_a_plan_that_fits_the_cpus_passes(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, gpus=0, cpus=2)
     assert check_cluster(job("rl")) == []  # tiny-digits-grpo: 2 slots
-    _machine(monkeypatch, gpus=0, cpus=8)
+    assert check_cluster(job("rl", num_gpus_per_node=4, actor_num_gpus_per_node=2)) == []  # 2 slots a CPU
+    _machine(monkeypatch, gpus=0, cpus=4)
+    assert check_cluster(job("dmd2", recipe="sd35-4step")) == []
+
+
+def test_a_ray_this_process_already_joined_is_the_clusters_view(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A simulated-GPU cluster a test (or a notebook) started: the runtime plans against Ray's view."""
+    import sys
+    import types
+
+    _machine(monkeypatch, gpus=0, cpus=2)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
     assert check_cluster(job("dmd2", recipe="sd35-4step")) == []
 
 

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Job
-from preflight_helpers import digit_prompts, write_lines
+from preflight_helpers import Job, digit_prompts, write_lines
 
 from miles.preflight import find_problems
 from miles.rollout.prompt_file import MAX_LINE_BYTES, iter_jsonl_objects, load_prompt_jsonl
@@ -151,8 +150,15 @@ def test_eval_sets_are_checked_when_the_job_evaluates(job: Job, tmp_path: Path) 
     assert find_problems(job("rl", eval_prompt_data=["held", str(bad)])) == []  # rl without --eval-interval
 
 
+def _png(path: Path) -> Path:
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(path)
+    return path
+
+
 def test_sft_rows_need_their_image_files(job: Job, tmp_path: Path) -> None:
-    (tmp_path / "a.png").write_bytes(b"png")
+    _png(tmp_path / "a.png")
     path = write_lines(tmp_path / "sft.jsonl", [{"image": "a.png", "input": "a"}, {"image": "b.png", "input": "b"}])
     assert find_problems(job("sft", recipe="tiny-digits-sft", prompt_data=str(path))) == [
         f"--prompt-data {path}:2: SFT image not found: {tmp_path / 'b.png'}; fix or remove that line"
@@ -170,3 +176,168 @@ def test_a_million_lines_stream_in_seconds(tmp_path: Path) -> None:
     start = time.perf_counter()
     scan_prompt_file(path, "input", "metadata", [])
     assert time.perf_counter() - start < 3.0  # 200k lines here; the bench runs the million
+
+
+# ---- the digit label, numbers JSON parses but Python cannot hold, what is not a regular file ---------------------
+@pytest.mark.parametrize(
+    ("label", "shown"),
+    [("3.7", "3.7"), ("3.0", "3.0"), ("true", "true"), ('"3"', '"3"'), ("Infinity", "Infinity"), ("NaN", "NaN")],
+)
+def test_the_digit_label_must_be_an_integer(job: Job, tmp_path: Path, label: str, shown: str) -> None:
+    path = write_lines(
+        tmp_path / "p.jsonl", [*digit_prompts(1), f'{{"input": "x", "metadata": {{"label": {label}}}}}']
+    )
+    assert find_problems(job("rl", prompt_data=str(path))) == [
+        f"--prompt-data {path}:2: metadata.label must be an integer 0-9, got {shown}; fix or remove that line"
+    ]
+
+
+def test_a_label_out_of_range(job: Job, tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "p.jsonl", [{"input": "x", "metadata": {"label": 10}}])
+    assert find_problems(job("rl", prompt_data=str(path))) == [
+        f"--prompt-data {path}:1: metadata.label must be a digit 0-9, got 10; fix or remove that line"
+    ]
+
+
+def test_a_number_past_pythons_digit_limit(job: Job, tmp_path: Path) -> None:
+    import sys
+
+    digits = "9" * (sys.get_int_max_str_digits() + 700)
+    path = write_lines(tmp_path / "p.jsonl", [f'{{"input": "x", "metadata": {{"label": {digits}}}}}'])
+    assert find_problems(job("rl", prompt_data=str(path))) == [
+        f"--prompt-data {path}:1: a number of more than {sys.get_int_max_str_digits():,} digits (Python's limit for "
+        "reading an integer); fix or remove that line"
+    ]
+
+
+def test_a_fifo_and_a_device_are_not_regular_files(job: Job, tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        assert find_problems(job("rl", prompt_data=str(path))) == [
+            f"--prompt-data {path}: is not a regular file (a device, FIFO or socket); give a prompt data file"
+        ]
+
+
+@pytest.mark.parametrize("url", ["https://example.com/x.jsonl", "hf://datasets/foo/bar"])
+def test_a_url_is_quoted_as_given_and_not_read(job: Job, url: str) -> None:
+    message = f"{url}: is a URL, and miles does not read URLs; download it and give a local prompt data file"
+    assert find_problems(job("rl", prompt_data=url)) == [f"--prompt-data {message}"]
+    assert find_problems(job("rl", eval_prompt_data=["held", url], eval_interval="5")) == [
+        f"--eval-prompt-data held {message}"
+    ]
+
+
+def test_a_path_ending_in_digits_is_no_line_of_a_file(
+    job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert find_problems(job("rl", eval_prompt_data=["d", "5"], eval_interval="5")) == [
+        "--eval-prompt-data d 5: prompt data file not found"
+    ]
+    (tmp_path / "7").write_text("")
+    assert find_problems(job("rl", prompt_data="7")) == ["--prompt-data 7: no prompts (the file is empty)"]
+
+
+# ---- SFT rows -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("caption", "why"), [(5, "must be a string, got a number"), ("  ", "is empty")])
+def test_an_sft_caption_must_be_a_non_empty_string(job: Job, tmp_path: Path, caption: object, why: str) -> None:
+    _png(tmp_path / "a.png")
+    path = write_lines(
+        tmp_path / "sft.jsonl", [{"image": "a.png", "input": "a"}, {"image": "a.png", "input": caption}]
+    )
+    assert find_problems(job("sft", recipe="tiny-digits-sft", prompt_data=str(path))) == [
+        f"--prompt-data {path}:2: 'input' {why}; fix or remove that line"
+    ]
+
+
+def test_an_sft_image_that_does_not_decode(job: Job, tmp_path: Path) -> None:
+    _png(tmp_path / "a.png")
+    (tmp_path / "b.png").write_bytes(b"not a png at all")
+    whole = (tmp_path / "a.png").read_bytes()
+    (tmp_path / "c.png").write_bytes(whole[: len(whole) - 20])  # cut before its end
+    rows = [{"image": name, "input": "x"} for name in ("a.png", "b.png")]
+    path = write_lines(tmp_path / "sft.jsonl", rows)
+    assert find_problems(job("sft", recipe="tiny-digits-sft", prompt_data=str(path))) == [
+        f"--prompt-data {path}:2: SFT image {tmp_path / 'b.png'} does not decode (not an image PIL knows); "
+        "fix or remove that line"
+    ]
+    path = write_lines(tmp_path / "sft2.jsonl", [{"image": "c.png", "input": "x"}])
+    (line,) = find_problems(job("sft", recipe="tiny-digits-sft", prompt_data=str(path)))
+    assert line.startswith(f"--prompt-data {path}:1: SFT image {tmp_path / 'c.png'} does not decode (")
+
+
+def test_the_sft_reader_refuses_what_the_preflight_refuses(tmp_path: Path) -> None:
+    from miles.config.errors import ConfigError
+    from miles.training.sft_data import _load_image, read_rows
+
+    path = write_lines(tmp_path / "sft.jsonl", [{"image": "a.png", "input": 5}])
+    with pytest.raises(ConfigError, match=rf"^{path}:1: 'input' must be a string, got a number$"):
+        read_rows(path, "input")
+    (tmp_path / "b.png").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match=r"^SFT image .*b\.png does not decode \("):
+        _load_image(tmp_path / "b.png", (8, 8))
+
+
+# ---- --eval-config ------------------------------------------------------------------------------------------------
+def _eval_config(tmp_path: Path, text: str) -> Path:
+    write_lines(tmp_path / "e.jsonl", digit_prompts(2))
+    config = tmp_path / "eval.yaml"
+    config.write_text(text.replace("E", str(tmp_path / "e.jsonl")))
+    return config
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (
+            "datasets:\n  - name: a\n    path: E\n  - name: a\n    path: E\n",
+            ":4: key 'datasets[1].name': the name 'a' is given twice (first at line 2)",
+        ),
+        (
+            "datasets:\n  - name: a\n    path: E\n    n_sample_per_eval_prompt: 4\n",
+            ":4: key 'datasets[0].n_sample_per_eval_prompt': unknown key (did you mean 'n_samples_per_eval_prompt'?)",
+        ),
+        (
+            "datasets:\n  - name: a\n    path: E\n    colour: red\n",
+            ":4: key 'datasets[0].colour': unknown key; known keys: 'name', 'path', 'n_samples_per_eval_prompt', "
+            "'num_steps'",
+        ),
+        (
+            "datasets:\n  - name: a\n    path: E\ndataset: 1\n",
+            ":4: key 'dataset': unknown key (did you mean 'datasets'?)",
+        ),
+        (
+            "datasets:\n  - name: a\n    path:\n",
+            ":3: key 'datasets[0].path': path is null; give the dataset's prompt JSONL file (or a built-in data set)",
+        ),
+        (
+            "datasets:\n  - name: a\n    path: [E]\n",
+            ":3: key 'datasets[0].path': path must be a string, got a list",
+        ),
+    ],
+)
+def test_eval_config_mistakes_name_the_file_line_and_key(job: Job, tmp_path: Path, text: str, problem: str) -> None:
+    config = _eval_config(tmp_path, text)
+    assert find_problems(job("rl", eval_config=str(config), eval_interval="5")) == [f"--eval-config {config}{problem}"]
+
+
+def test_a_good_eval_config_passes(job: Job, tmp_path: Path) -> None:
+    config = _eval_config(tmp_path, "datasets:\n  - {name: a, path: E, num_steps: 2}\n  - {name: b, path: E}\n")
+    assert find_problems(job("rl", eval_config=str(config), eval_interval="5")) == []
+
+
+# ---- a check that crashes ------------------------------------------------------------------------------------------
+def test_a_crashing_check_is_a_warning_not_a_verdict(job: Job, capsys: pytest.CaptureFixture[str]) -> None:
+    from miles.preflight import Check, run_checks
+
+    def broken(resolved: object) -> list[str]:
+        raise KeyError("oops")
+
+    report = run_checks(job("rl"), (Check("broken", broken),))
+    line = "preflight check 'broken' could not run (KeyError: 'oops'), so what it checks was not checked; please "
+    line += "report this as a bug"
+    assert (report.problems, report.failed, report.checks) == ([], [line], 1)
+    assert capsys.readouterr().err == f"miles: warning: {line}\n"

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import Job
-from preflight_helpers import make_pipeline
+from preflight_helpers import Job, make_pipeline
 
 from miles.preflight import find_problems
 from miles.preflight.models import check_model_paths

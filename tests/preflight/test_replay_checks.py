@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Job
-from preflight_helpers import make_pipeline
+from preflight_helpers import Job, make_pipeline
 
 from miles.preflight import find_problems
 from miles.preflight.replay import check_rollout_files
@@ -20,8 +19,32 @@ def rollout_io():
     return rollout_file, Sample
 
 
-def _samples(sample_cls, n: int = 4) -> list:
-    return [sample_cls(index=i, group_index=i // 2, prompt=f"the digit {i}", reward=0.5) for i in range(n)]
+GROUP = 16  # --n-samples-per-prompt of tiny-digits-grpo
+
+
+def _trajectory(latent: tuple[int, ...] = (4, 8, 8), steps: int = 2):
+    import torch
+
+    from miles.rollout.types import Trajectory
+
+    return Trajectory(
+        latents=torch.zeros(steps + 1, *latent), timesteps=torch.ones(steps), sigmas=torch.ones(steps + 1)
+    )
+
+
+def _samples(sample_cls, n: int = GROUP, latent: tuple[int, ...] = (4, 8, 8)) -> list:
+    """`n` trainable samples: a trajectory of `latent`-shaped latents, a reward and an advantage each."""
+    return [
+        sample_cls(
+            index=i,
+            group_index=i // GROUP,
+            prompt=f"the digit {i % 10}",
+            reward=0.5,
+            advantage=0.0,
+            trajectory=_trajectory(latent),
+        )
+        for i in range(n)
+    ]
 
 
 def test_a_missing_rollout_file(job: Job, tmp_path: Path, rollout_io) -> None:
@@ -90,4 +113,84 @@ def test_train_rl_on_saved_rollouts_names_the_missing_ones(job: Job, tmp_path: P
         f"--load-debug-rollout-data {template}: 2 of the 3 rollout files the run reads are missing (rollout ids 1, "
         f"2; first: {tmp_path / 'r1.pt'}); save them with `--save-debug-rollout-data` (or `miles rollout-only`), "
         "or lower --num-rollout"
+    ]
+
+
+# ---- damaged samples, incomplete groups, latents of another shape -------------------------------------------------
+def test_non_finite_rewards_and_advantages_are_refused(job: Job, tmp_path: Path, rollout_io) -> None:
+    rollout_file, sample_cls = rollout_io
+    samples = _samples(sample_cls)
+    samples[2].reward, samples[5].reward = float("nan"), {"score": float("inf")}
+    samples[3].advantage = float("-inf")
+    samples[7].reward, samples[7].remove_sample = float("nan"), True  # not trained on: not refused
+    path = rollout_file.save_rollout(tmp_path / "r.pt", 0, samples)
+    assert check_rollout_files(job("replay", replay=str(path))) == [
+        f"ROLLOUT.pt {path}: samples[2] has a non-finite reward (nan) (and 1 more sample); replay a rollout whose "
+        "rewards are finite numbers, or mark those samples remove_sample",
+        f"ROLLOUT.pt {path}: samples[3] has a non-finite advantage (-inf); replay a rollout whose advantages were "
+        "computed from finite rewards",
+    ]
+
+
+def test_a_reward_that_is_not_a_number_and_a_missing_advantage(job: Job, tmp_path: Path, rollout_io) -> None:
+    rollout_file, sample_cls = rollout_io
+    samples = _samples(sample_cls)
+    samples[0].reward, samples[1].advantage = "high", None
+    path = rollout_file.save_rollout(tmp_path / "r.pt", 0, samples)
+    assert check_rollout_files(job("replay", replay=str(path))) == [
+        f"ROLLOUT.pt {path}: samples[0] has reward 'high', not a number; replay a rollout whose rewards are finite "
+        "numbers, or mark those samples remove_sample",
+        f"ROLLOUT.pt {path}: samples[1] has no advantage; replay a rollout whose advantages were computed from "
+        "finite rewards",
+    ]
+
+
+def test_a_sample_without_a_trajectory_is_refused(job: Job, tmp_path: Path, rollout_io) -> None:
+    rollout_file, sample_cls = rollout_io
+    samples = _samples(sample_cls)
+    samples[4].trajectory = None
+    path = rollout_file.save_rollout(tmp_path / "r.pt", 0, samples)
+    assert check_rollout_files(job("replay", replay=str(path))) == [
+        f"ROLLOUT.pt {path}: samples[4] has no trajectory (the latents it was denoised through), so it cannot be "
+        "trained on; replay a rollout saved with its trajectories (`miles rollout-only`, --save-debug-rollout-data)"
+    ]
+
+
+def test_a_rollout_of_incomplete_groups_names_both_numbers(job: Job, tmp_path: Path, rollout_io) -> None:
+    rollout_file, sample_cls = rollout_io
+    path = rollout_file.save_rollout(tmp_path / "r.pt", 0, _samples(sample_cls, n=GROUP + 3))
+    assert check_rollout_files(job("replay", replay=str(path))) == [
+        f"ROLLOUT.pt {path}: {GROUP + 3} samples, not a multiple of --n-samples-per-prompt {GROUP} (a rollout holds "
+        "whole prompt groups); replay a whole rollout, or give the --n-samples-per-prompt it was made with"
+    ]
+
+
+def _sd3_checkpoint(folder: Path) -> Path:
+    import json
+
+    checkpoint = make_pipeline(folder)  # transformer: in_channels 4, sample_size 8
+    (checkpoint / "vae" / "config.json").write_text(json.dumps({"block_out_channels": [8, 8, 8, 8]}))  # scale 8
+    return checkpoint
+
+
+def test_latents_of_a_file_without_a_record_are_compared_with_the_checkpoint(
+    job: Job, tmp_path: Path, rollout_io
+) -> None:
+    rollout_file, sample_cls = rollout_io
+    checkpoint = _sd3_checkpoint(tmp_path / "my-sd3")
+    flags = {"hf_checkpoint": str(checkpoint), "diffusion_height": "64", "diffusion_width": "64"}
+    same = rollout_file.save_rollout(tmp_path / "same.pt", 0, _samples(sample_cls, latent=(4, 8, 8)))
+    assert check_rollout_files(job("replay", replay=str(same), **flags)) == []
+    narrow = rollout_file.save_rollout(tmp_path / "narrow.pt", 0, _samples(sample_cls, latent=(4, 8, 4)))
+    assert check_rollout_files(job("replay", replay=str(narrow), **flags)) == [
+        f"ROLLOUT.pt {narrow}: samples[0]'s latents are 4x8x4 (channels x height x width), but the job's "
+        f"--hf-checkpoint {checkpoint} (transformer in_channels 4) at --diffusion-height 64 --diffusion-width 64 "
+        "makes 4x8x8; the file records no model: replay it with the checkpoint and size it was made with"
+    ]
+    (checkpoint / "vae" / "config.json").write_text("{}")  # no scale factor: the channels alone
+    wide = rollout_file.save_rollout(tmp_path / "wide.pt", 0, _samples(sample_cls, latent=(16, 8, 8)))
+    assert check_rollout_files(job("replay", replay=str(wide), **flags)) == [
+        f"ROLLOUT.pt {wide}: samples[0]'s latents have 16 channels, but the job's --hf-checkpoint {checkpoint} "
+        "takes 4 (the transformer's in_channels); the file records no model: replay it on the checkpoint it was made "
+        "with"
     ]

@@ -71,7 +71,10 @@ def _stand_in_class() -> type:
 
 @pytest.fixture(scope="module")
 def actor_class(local_ray: Any) -> Any:
-    return local_ray.remote(concurrency_groups={"health": 1})(_stand_in_class())
+    from miles.utils.actors import owned_remote
+
+    # made like the real engine actors: a `_miles_tag` (their log under <output-dir>/logs) and recorded failures
+    return owned_remote(_stand_in_class(), concurrency_groups={"health": 1})
 
 
 def _args(cues: Path, fault_tolerance: bool, **changes: Any) -> SimpleNamespace:

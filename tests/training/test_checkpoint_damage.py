@@ -130,6 +130,38 @@ def test_an_unreadable_manifest_counts_as_damage(two_steps: Path) -> None:
     assert choice.step == 3 and "iter_0000004/manifest.json is unreadable (JSONDecodeError)" in choice.warnings[0]
 
 
+@pytest.mark.parametrize(
+    ("files", "why"),
+    [
+        ({"model.pt": {"size": "abc"}}, 'the size of model.pt is "abc", not a byte count'),
+        ({"model.pt": {"size": -1}}, "the size of model.pt is -1, not a byte count"),
+        ({"model.pt": {"size": True}}, "the size of model.pt is true, not a byte count"),
+        ({"model.pt": {"size": 10, "crc32": 7}}, "the crc32 of model.pt is 7, not a hex string"),
+        ({"model.pt": 5}, "the entry of model.pt is a number, not a mapping"),
+        ({"../x": {"size": 1}}, '"../x" is not a file name of the checkpoint folder'),
+        ([1], "'files' is a list, not a mapping"),
+    ],
+)
+def test_a_manifest_of_the_wrong_shape_is_damage_not_a_crash(two_steps: Path, files: object, why: str) -> None:
+    manifest = {"version": 1, "checksum": "crc32", "files": files}
+    (two_steps / "iter_0000004" / MANIFEST_FILE).write_text(json.dumps(manifest))
+    choice = find_loadable_checkpoint(two_steps)
+    assert (choice.step, choice.warnings) == (
+        3,
+        [
+            f"--load {two_steps}: iter_0000004/manifest.json is not a valid manifest ({why}); loading iter_0000003, "
+            "the newest complete checkpoint"
+        ],
+    )
+    (two_steps / "iter_0000003" / MANIFEST_FILE).write_text("[]")
+    with pytest.raises(ConfigError) as excinfo:
+        find_loadable_checkpoint(two_steps)
+    assert str(excinfo.value) == (
+        f"--load {two_steps}: no complete checkpoint: iter_0000004/manifest.json is not a valid manifest ({why}); "
+        "iter_0000003/manifest.json is not a valid manifest (a list, not an object)"
+    )
+
+
 def test_a_checkpoint_without_a_manifest_loads_as_before(two_steps: Path) -> None:
     for folder in (two_steps / "iter_0000003", two_steps / "iter_0000004"):
         (folder / MANIFEST_FILE).unlink()

@@ -55,5 +55,5 @@ FLAGS: list[Flag] = [
         False,
         "On resume, ignore the checkpoint's scheduler settings and use the command line's.",
     ),
-    _f("seed", INT, 1234, "Random seed of the trainer."),
+    _f("seed", INT, 1234, "Random seed of the trainer.", min=0, max=2**32 - 1),
 ]

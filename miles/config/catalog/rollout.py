@@ -153,7 +153,7 @@ FLAGS: list[Flag] = [
         min=1,
         meta={"default_text": "512 MiB"},
     ),
-    _f("rollout-seed", INT, 42, "Base seed of the per-sample rollout seeds."),
+    _f("rollout-seed", INT, 42, "Base seed of the per-sample rollout seeds.", min=0, max=2**32 - 1),
     _f(
         "over-sampling-batch-size",
         INT,

@@ -110,6 +110,11 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         self.boundary = boundary_timestep(ratio, steps)
         return WanExperts(experts, self.boundary)
 
+    def compose_denoiser(self, modules: Mapping[str, Any]) -> Any:
+        from miles.models.wan2_2.experts import WanExperts
+
+        return WanExperts(dict(modules), self.boundary)
+
     def split_denoiser_state(self, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for key, value in state.items():

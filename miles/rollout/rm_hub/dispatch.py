@@ -143,16 +143,31 @@ def _frames_first(image: Any) -> Any:
 
 
 def _digit_label(meta: Mapping[str, Any]) -> int:
+    """`metadata.label`, an integer 0-9: a float (3.7, 3.0), a bool or a string ("3") is refused, not rounded or
+    parsed (ValueError quoting the value as the JSON line wrote it)."""
     if "label" not in meta:
         keys = clip(", ".join(map(repr, sorted(map(str, meta)))) or "no keys", 120)
         raise ValueError(f"the digit reward needs metadata.label (the digit to draw); metadata has {keys}")
-    try:
-        label = int(meta["label"])
-    except (TypeError, ValueError):
-        label = -1
+    label = meta["label"]
+    if isinstance(label, bool) or not isinstance(label, numbers.Integral):
+        raise ValueError(f"metadata.label must be an integer 0-9, got {_as_json(label)}")
     if not 0 <= label <= 9:
-        raise ValueError(f"metadata.label must be a digit 0-9, got {clip_repr(meta['label'])}")
-    return label
+        raise ValueError(f"metadata.label must be a digit 0-9, got {_as_json(label)}")
+    return int(label)
+
+
+def _as_json(value: Any) -> str:
+    """`value` as a JSON line writes it (true, "3", NaN, Infinity), clipped; repr for what JSON cannot hold."""
+    import json
+
+    try:
+        return clip(json.dumps(value), 80)
+    except (TypeError, ValueError):
+        pass
+    try:
+        return clip_repr(value)
+    except ValueError:  # an int past Python's digit limit
+        return "an integer too long to show"
 
 
 def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) -> None:
