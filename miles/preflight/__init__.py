@@ -32,6 +32,7 @@ CHECKS: tuple[Check, ...] = (
     Check("eval data", data.check_eval_data),
     Check("hooks", hooks.check_hooks),
     Check("--load", checkpoint.check_load, jobs=TRAINING_JOBS),
+    Check("--save", checkpoint.check_save_over_checkpoints, jobs=TRAINING_JOBS),
     Check("output folders", checkpoint.check_outputs),
     Check("cluster", cluster.check_cluster),
     Check("rollout files", replay.check_rollout_files, jobs=frozenset({"rl", "replay"})),

@@ -61,6 +61,24 @@ def check_load(resolved: ResolvedJob) -> list[str]:
     return problems
 
 
+def check_save_over_checkpoints(resolved: ResolvedJob) -> list[str]:
+    """`--save` into a folder that already holds checkpoints, with no `--load` of it: the new run's first save
+    would point `latest_checkpointed_iteration.txt` back to its own early step, orphaning the newer ones."""
+    from miles.training.checkpoint_index import available_steps
+
+    args = resolved.args
+    save, load = getattr(args, "save", None), getattr(args, "load", None)
+    if not save or (load and Path(str(load)).resolve() == Path(str(save)).resolve()):
+        return []
+    steps = available_steps(save)
+    if not steps:
+        return []
+    return [
+        f"--save {save}: already holds checkpoints (steps {', '.join(map(str, steps[-3:]))}) of another run; "
+        f"resume it with --load {save}, or give a new --save folder (a fresh start there would overwrite them)"
+    ]
+
+
 def writable_problem(path: Path) -> str | None:
     """Why the folder `path` cannot be written (None: it is a writable folder, or can be made one)."""
     if path.exists():

@@ -111,3 +111,18 @@ def test_a_derived_dump_folder_is_named_under_dump_details(job: Job, tmp_path: P
         f"--dump-details {dump} (folder {dump / 'rollout_data'}): is a file, not a folder; choose another "
         "--dump-details"
     ]
+
+
+def test_save_over_another_runs_checkpoints_is_refused_unless_resumed(job: Job, tmp_path: Path) -> None:
+    """A fresh run saving into a folder of checkpoints would point the latest back to its own step 0."""
+    from miles.preflight.checkpoint import check_save_over_checkpoints
+
+    ckpt = tmp_path / "ckpt"
+    assert check_save_over_checkpoints(job("rl", save=str(ckpt))) == []  # nothing there yet
+    _checkpoint(ckpt, 0)
+    _checkpoint(ckpt, 1)
+    assert check_save_over_checkpoints(job("rl", save=str(ckpt))) == [
+        f"--save {ckpt}: already holds checkpoints (steps 0, 1) of another run; resume it with --load {ckpt}, or "
+        "give a new --save folder (a fresh start there would overwrite them)"
+    ]
+    assert check_save_over_checkpoints(job("rl", save=str(ckpt), load=str(ckpt))) == []  # resuming it
