@@ -172,7 +172,9 @@ def test_eval_config_goes_through_the_strict_loader(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"^--eval-config {config}:4: key 'datasets\[0\]\.name' is given twice"):
         eval_datasets(args)
     bad = write(tmp_path / "bad.yaml", "datasets:\n  - {name: a, path: a.jsonl, n_samples_per_eval_prompt: .nan}\n")
-    with pytest.raises(ConfigError, match=r"datasets\[0\]\.n_samples_per_eval_prompt: expected an integer >= 1"):
+    with pytest.raises(
+        ConfigError, match=r"datasets\[0\]\.n_samples_per_eval_prompt': expected an integer >= 1, got nan"
+    ):
         eval_datasets(run("eval", eval_prompt_data=DROP, eval_config=bad).args)
 
 

@@ -150,6 +150,8 @@ def test_a_trainer_rank_killed_mid_step_ends_the_job_naming_it(tiny_sd3_dir: Pat
     assert left_behind(job.out) == []
 
 
+# extended: ~22 s; tests/runtime/test_actor_failures.py checks the line of a raising actor on real Ray
+@pytest.mark.extended
 def test_a_reward_that_raises_ends_the_job_with_one_line(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     job = Job(tmp_path, ["--custom-rm-path", "job_hooks.raising_rm"], tiny_sd3_dir).run()
     assert job.rc == 1, job.text[-4000:]
@@ -160,6 +162,8 @@ def test_a_reward_that_raises_ends_the_job_with_one_line(tiny_sd3_dir: Path, tmp
     assert left_behind(job.out) == []
 
 
+# extended: ~25 s; test_actor_failures.py::test_a_hook_past_its_deadline_... checks the deadline on real Ray
+@pytest.mark.extended
 def test_a_reward_past_the_hook_timeout_ends_the_job_naming_it(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     job = Job(tmp_path, ["--custom-rm-path", "job_hooks.slow_rm", "--hook-timeout", "3"], tiny_sd3_dir)
     start = time.monotonic()

@@ -23,7 +23,11 @@ from miles.memory.static import Denoiser
 WORLD = 8
 RANK = 32
 MODELS = sorted(shipped_models().items(), key=lambda kv: kv[0].name)
-CASES = [pytest.param(d, m, id=d.name, marks=[pytest.mark.slow]) for d, m in MODELS]  # real-size builds: seconds
+BIGGEST = ("LTX-2", "Wan2.2-T2V-A14B-Diffusers", "Qwen-Image")  # 9-18 s each on 2 cores: extended
+CASES = [
+    pytest.param(d, m, id=d.name, marks=[pytest.mark.slow, *([pytest.mark.extended] if d.name in BIGGEST else [])])
+    for d, m in MODELS
+]
 
 
 def _chunk(dim0: int, rank: int) -> int:
