@@ -19,9 +19,7 @@ import functools
 import importlib.util
 import inspect
 import os
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from miles.config.errors import ConfigError
+from miles.utils.deadline import alarm
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -173,25 +172,6 @@ class _ImportTimeout(BaseException):
     loader's search for the module) can swallow it."""
 
 
-@contextlib.contextmanager
-def _alarm(seconds: float) -> Iterator[None]:
-    """Raise `_ImportTimeout` in the body after `seconds` (SIGALRM: the main thread only; elsewhere no limit)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise _ImportTimeout
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @functools.cache
 def _devnull() -> TextIO:
     """One os.devnull file for the process, never closed: a module may keep the stream it saw at import."""
@@ -238,7 +218,7 @@ def import_hook_object(path: str, flag: str, seconds: float | None = None) -> An
 
     limit = IMPORT_DEADLINE_S if seconds is None else seconds
     try:
-        with _silenced(), _alarm(limit):
+        with _silenced(), alarm(limit, _ImportTimeout):
             return load_object(path, flag)
     except (KeyboardInterrupt, Exception):
         raise  # Ctrl-C; a ConfigError of the loader (an Exception at import is one already)

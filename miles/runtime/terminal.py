@@ -24,10 +24,6 @@ _LOCK = threading.Lock()
 _DRIVER_LOG: Path | None = None
 
 
-def driver_log() -> Path | None:
-    return _DRIVER_LOG
-
-
 def _append(lines: list[str]) -> None:
     if _DRIVER_LOG is None:
         return

@@ -104,11 +104,6 @@ class _ActorStream(io.TextIOBase):
 _CURRENT: ActorTag | None = None
 
 
-def current_tag() -> ActorTag | None:
-    """The tag of the actor this process is (None in the driver or a plain process)."""
-    return _CURRENT
-
-
 def log_hint() -> str:
     """`` (traceback in <log>)`` inside an actor, else empty: for one-line errors whose traceback is worth reading."""
     return f" (traceback in {_CURRENT.log_path})" if _CURRENT is not None else ""

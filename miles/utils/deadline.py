@@ -57,12 +57,20 @@ def deadline(what: str, seconds: float | None = None) -> Iterator[None]:
         finally:
             timer.cancel()
         return
-    if threading.current_thread() is not threading.main_thread():
+    with alarm(seconds, lambda: HookTimeout(message(what, seconds).replace("; its stack is in the log", ""))):
+        yield
+
+
+@contextlib.contextmanager
+def alarm(seconds: float, error: Callable[[], BaseException]) -> Iterator[None]:
+    """Raise `error()` in the body after `seconds` (SIGALRM, which also wakes a sleeping call): the main thread
+    only; elsewhere the body runs without a limit."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
 
     def expire(signum: int, frame: Any) -> None:
-        raise HookTimeout(message(what, seconds).replace("; its stack is in the log", ""))
+        raise error()
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
