@@ -76,7 +76,7 @@ def test_frozen_recompute_equals_the_engine(family_rollout) -> None:
         assert metrics["log_prob_mean_abs_diff"] == 0.0
     else:
         # flux and qwen_image land at ~5e-8 when the engine and the trainer share this one process (their jobs,
-        # each in its own actor, log 0.0: README "Model families"); the cause is not pinned down
+        # each in its own actor, log 0.0: docs/families.md "Model families"); the cause is not pinned down
         assert metrics["log_prob_mean_abs_diff"] <= 1e-6
     assert all(s.conditions.negative is not None for s in batch.samples)  # both recipes run a negative branch
 
