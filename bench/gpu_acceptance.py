@@ -6,7 +6,8 @@ and random weights, SD3.5's VAE layout (16 latent channels) with random weights,
 whose outputs have the real widths (CLIP-L 768, CLIP-G 1280, T5 4096 over 256 tokens), with miles'
 offline tokenizers. Nothing comes from a hub. `run` trains it with `miles train rl` for 2 rollouts,
 colocated on one GPU (trainer 0.7, engine 0.25), LoRA, offload between phases and in-place (CUDA IPC)
-LoRA sync, and prints peak GPU memory (nvidia-smi, every process on the GPU), images/s, train step time
+LoRA sync, and prints peak GPU memory (nvidia-smi, every process on the GPU; the trainer's
+torch.cuda.max_memory_allocated) next to the memory plan's estimate of the same job, images/s, train step time
 and the engine-trainer log-prob difference.
 
     bash bench/gpu_acceptance.sh                  # build + run, under 10 minutes on one H100/H200-class GPU
@@ -186,6 +187,20 @@ def run_flags(checkpoint: Path, out: Path, resolution: int) -> list[str]:
     ]  # fmt: skip
 
 
+def estimated(checkpoint: Path, out: Path, resolution: int) -> dict[str, float]:
+    """The memory plan of the same job (`miles plan --format json`): GPU 0's train phase, without the CUDA margin
+    (what `torch.cuda.max_memory_allocated` in the trainer sees), and its peak over the phases with the margin
+    (what nvidia-smi sees: every process, the CUDA context)."""
+    from miles.memory.estimate import MARGIN_GIB
+
+    flags = run_flags(checkpoint, out, resolution)[2:]
+    argv = [sys.executable, "-c", "from miles_cli.main import entry; entry()", "plan", "--job", "rl", *flags]
+    rows = json.loads(subprocess.run([*argv, "--format", "json"], check=True, capture_output=True, text=True).stdout)
+    memory = next(r["memory"] for r in rows if r["node"] == 0 and r["gpu"] == 0)
+    peak = max(phase["gib"] for phase in memory.values())
+    return {"train": memory["train"]["gib"], "peak": peak + MARGIN_GIB}
+
+
 def run(root: Path, resolution: int) -> dict[str, float]:
     """`miles train rl` on the built checkpoint; the figures of the acceptance."""
     checkpoint, out = root / "sd35m-shaped", root / "run"
@@ -199,8 +214,12 @@ def run(root: Path, resolution: int) -> dict[str, float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = rows[-1]
     samples = last["rollout/num_samples"]
+    estimate = estimated(checkpoint, out, resolution)
     return {
         "wall_s": wall,
+        "estimated_train_peak_gib": estimate["train"],
+        "train_max_memory_allocated_gib": max(r.get("train/max_memory_allocated_gib", float("nan")) for r in rows),
+        "estimated_peak_gib": estimate["peak"],
         "peak_gpu_memory_gib": memory.peak / 1024,
         "images_per_s": samples / last["perf/generate_time"],
         "train_step_s": last["perf/train_time"],

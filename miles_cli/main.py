@@ -125,13 +125,20 @@ def _meta_params(inspect_config: bool = False, plan: bool = False) -> list[inspe
     return params
 
 
-def _resolve_from_cli(ctx: typer.Context, job: str | None, kwargs: dict[str, Any], replay_path: str | None = None):
+def _resolve_from_cli(
+    ctx: typer.Context,
+    job: str | None,
+    kwargs: dict[str, Any],
+    replay_path: str | None = None,
+    extra: dict[str, Any] | None = None,
+):
+    """The job the command line describes (`extra`: flags merged over it, as the memory plan's changes)."""
     from miles.config.resolve import resolve
 
     sglang = split_extras(ctx.args)
     return resolve(
         job,
-        cli=given_flags(ctx, kwargs),
+        cli={**given_flags(ctx, kwargs), **(extra or {})},
         recipe=kwargs.get("recipe"),
         overrides=kwargs.get("override") or (),
         sglang=sglang,
@@ -208,11 +215,15 @@ def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
     print_warnings(resolved.warnings)
     print_inspect(resolved, fmt, show_all=kwargs.get("show_all", False))
     if fmt == "table":
+        from miles.memory.report import memory_for
         from miles.placement.plan import make_plan
         from miles_cli.render import print_plan
 
         cluster = cluster or flags_cluster(resolved.args)
-        print_plan(make_plan(resolved.args, cluster, resolved.spec))
+        plan = make_plan(resolved.args, cluster, resolved.spec)
+        estimate, lines = memory_for(resolved, plan)
+        print_plan(plan, estimate)
+        print("\n".join(lines))
     if kwargs.get("check"):
         _check(resolved, to_stdout=fmt == "table")
 
@@ -243,19 +254,38 @@ def _plan_body(ctx: typer.Context, **kwargs: Any) -> None:
         raise ConfigError(f"--format {fmt}: expected table or json")
     resolved = _resolve_from_cli(ctx, kwargs.get("job"), kwargs)
     print_warnings(resolved.warnings)
-    plan = make_plan(resolved.args, _plan_cluster(resolved.args, kwargs.get("cluster")), resolved.spec)
+    cluster, fixed = _plan_cluster(resolved.args, kwargs.get("cluster"), with_source=True)
+    plan = make_plan(resolved.args, cluster, resolved.spec)
+    from miles.memory.report import enforce, memory_for
+
+    estimate, lines = memory_for(resolved, plan)
     if fmt == "json":
-        print_plan_json(plan)
+        print_plan_json(plan, estimate)
     else:
-        print_plan(plan)
+        print_plan(plan, estimate)
+        print("\n".join(lines))
+    if estimate is not None:
+        from miles.placement.cluster import flags_cluster
+
+        def plan_for(other: Any) -> Any:  # a change of --actor-num-nodes grows a cluster the flags describe
+            return make_plan(other.args, cluster if fixed else flags_cluster(other.args), other.spec)
+
+        def reresolve(extra: dict[str, Any]) -> Any:
+            return _resolve_from_cli(ctx, kwargs.get("job"), kwargs, extra=dict(extra))
+
+        enforce(estimate, resolved, reresolve, plan_for)
 
 
-def _plan_cluster(args: Any, cluster_text: str | None) -> Any:
-    """--cluster NxG; else Ray's cluster at $RAY_ADDRESS; else the cluster the flags describe."""
+def _plan_cluster(args: Any, cluster_text: str | None, with_source: bool = False) -> Any:
+    """--cluster NxG; else Ray's cluster at $RAY_ADDRESS; else the cluster the flags describe (`with_source`:
+    also whether the cluster is fixed, i.e. not the flags')."""
     import os
 
     from miles.placement.cluster import flags_cluster, parse_cluster
 
+    if with_source:
+        cluster = _plan_cluster(args, cluster_text)
+        return cluster, bool(cluster_text) or cluster != flags_cluster(args)
     if cluster_text is not None and not cluster_text.strip():
         raise ConfigError("--cluster: empty; expected NODESxGPUS, e.g. 2x8")
     if cluster_text:

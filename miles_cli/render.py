@@ -13,6 +13,7 @@ from miles.config.export import arg_order, to_json_dict, to_yaml_text
 if TYPE_CHECKING:
     from miles.config.args import Args
     from miles.config.resolve import ResolvedJob
+    from miles.memory.estimate import MemoryEstimate
     from miles.placement.plan import Plan
 
 _SOURCE_STYLE = {"default": "dim", "recipe": "cyan", "cli": "green", "yaml": "magenta", "derived": "yellow"}
@@ -75,24 +76,34 @@ def print_inspect(resolved: ResolvedJob, fmt: str, show_all: bool = False) -> No
         print_trainer_tables(resolved, show_all=show_all)
 
 
-def print_plan(plan: Plan) -> None:
-    """The placement plan: one row per GPU (node, gpu, what it holds with shares, the GPU's total)."""
+def print_plan(plan: Plan, estimate: MemoryEstimate | None = None) -> None:
+    """The placement plan: one row per GPU (node, gpu, what it holds with shares, the GPU's total; with a memory
+    estimate, its peak GiB in the train, sync and rollout phases)."""
     from rich.table import Table
 
+    from miles.memory.report import gpu_columns
     from miles.placement.render import plan_header, plan_rows
 
     console = _console()
     console.print(plan_header(plan), soft_wrap=True, highlight=False)
     table = Table(header_style="bold")
-    for column in ("node", "gpu", "holds (share)", "total"):
+    columns = ["node", "gpu", "holds (share)", "total"]
+    if estimate is not None:
+        columns += ["train GiB", "sync GiB", "rollout GiB"]
+    for column in columns:
         table.add_column(column)
     for row in plan_rows(plan):
-        table.add_row(*row)
+        cells = list(row)
+        if estimate is not None:
+            cells += gpu_columns(estimate, int(row[0]), int(row[1]))
+        table.add_row(*cells)
     console.print(table)
 
 
-def print_plan_json(plan: Plan) -> None:
-    print(json.dumps(plan.rows(), indent=2))
+def print_plan_json(plan: Plan, estimate: MemoryEstimate | None = None) -> None:
+    from miles.memory.report import json_rows
+
+    print(json.dumps(json_rows(plan, estimate), indent=2))
 
 
 def print_recipes() -> None:

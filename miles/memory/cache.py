@@ -3,7 +3,9 @@ else `$MILES_HOME/memory/<config hash>.json`, else a meta-device build (`measure
 
 A cached record is used when its config hash and its diffusers / transformers / peft versions are today's (a
 library upgrade may change a module's tensors) and it holds the LoRA target sets and FSDP2 groups asked for; what
-is missing is measured and merged. Torch is imported only to measure.
+is missing is measured and merged. The shipped `counts.json` is used whatever the installed versions (its config
+hash must match): a registry release must not make `miles plan` measure, and tests/memory/test_memory_real_configs
+re-measures it against the installed libraries. Torch is imported only to measure.
 """
 
 from __future__ import annotations
@@ -54,14 +56,21 @@ def _write(path: Path, counts: ModelCounts) -> None:
     os.replace(tmp, path)
 
 
+def _shipped(config_dir: Path, digest: str) -> ModelCounts | None:
+    counts = _read(config_dir / COUNTS_FILE)
+    return counts if counts is not None and counts.config_hash == digest else None
+
+
+def _records(config_dir: Path, digest: str) -> list[ModelCounts]:
+    cached = _read(cache_path(digest))
+    return [c for c in (_shipped(config_dir, digest), cached if _current(cached, digest) else None) if c is not None]
+
+
 def cached_counts(config_dir: Path) -> ModelCounts | None:
-    """Today's record for `config_dir`, shipped or in the cache (None: to be measured)."""
+    """The record for `config_dir`, shipped or in the cache with today's versions (None: to be measured)."""
     digest = config_hash(config_dir)
-    for path in (config_dir / COUNTS_FILE, cache_path(digest)):
-        counts = _read(path)
-        if _current(counts, digest):
-            return counts
-    return None
+    records = _records(config_dir, digest)
+    return records[0] if records else None
 
 
 def _merged(records: list[ModelCounts]) -> ModelCounts:
@@ -82,15 +91,14 @@ def model_counts(
     (e.g. `family.denoiser_components(...)` and the job's `--lora-target-modules`)."""
     digest = config_hash(config_dir)
     wanted = [tuple(t) for t in targets_sets]
-    records = [c for c in (_read(config_dir / COUNTS_FILE), _read(cache_path(digest))) if _current(c, digest)]
+    records = _records(config_dir, digest)
     if records:
         have = _merged(records)
         missing = [t for t in wanted if lora_key(components, t) not in have.lora]
         if not missing and fsdp_key(components, family.fsdp_block_lists) in have.fsdp:
             return have
     with file_lock(cache_dir() / f".{digest}.lock"):
-        cached = _read(cache_path(digest))
-        records = [c for c in (_read(config_dir / COUNTS_FILE), cached) if _current(c, digest)]
+        records = _records(config_dir, digest)
         from miles.memory.measure import measure, measure_denoiser
 
         if records:

@@ -2,7 +2,8 @@
 
 `python -m miles.memory.shipped` re-measures every shipped config folder (seconds each, no weights) for the
 denoiser components and LoRA targets of the family's defaults and of every shipped recipe on that checkpoint,
-and writes `counts.json` next to the configs, so `miles plan` needs no torch for a shipped recipe.
+and writes `counts.json` next to the configs, then traces every step the shipped recipes' memory plans ask for
+(with the changes a refusal computes) into `traces.json`, so `miles plan` needs no torch for a shipped recipe.
 """
 
 from __future__ import annotations
@@ -78,6 +79,49 @@ def write_shipped_counts() -> list[Path]:
     return written
 
 
+def shipped_trace_specs() -> dict[Path, tuple[Any, list[Any]]]:
+    """{config dir: (family, specs)} of every trace the shipped recipes' memory plans ask for, with the changes a
+    refusal computes (each recipe planned against a 1 GiB GPU, so that every change is tried)."""
+    from miles.config.resolve import resolve
+    from miles.memory import step
+    from miles.memory.estimate import candidate_changes, estimate_memory, fit_changes
+    from miles.placement.cluster import flags_cluster
+    from miles.placement.plan import make_plan
+
+    step.record_traces(True)
+    try:
+        for name, resolved, _ in shipped_recipes():
+            estimate = estimate_memory(resolved)
+            estimate.capacity_gib = 1.0
+
+            def again(extra: Any, name: str = name) -> Any:
+                return resolve(None, recipe=name, cli=dict(extra))
+
+            def plan_for(r: Any) -> Any:
+                return make_plan(r.args, flags_cluster(r.args), r.spec)
+
+            fit_changes(estimate, again, candidate_changes(resolved), plan_for)
+        out: dict[Path, tuple[Any, list[Any]]] = {}
+        for config_dir, family, spec in step.RECORDED:
+            entry = out.setdefault(config_dir, (family, []))
+            if spec not in entry[1]:
+                entry[1].append(spec)
+        return out
+    finally:
+        step.record_traces(False)
+
+
+def write_shipped_traces() -> list[Path]:
+    from miles.memory.step import write_shipped_traces as write
+
+    return [write(d, family, specs) for d, (family, specs) in sorted(shipped_trace_specs().items())]
+
+
 if __name__ == "__main__":  # pragma: no cover - a maintenance command
-    for path in write_shipped_counts():
+    import sys
+
+    if "--traces-only" not in sys.argv:
+        for path in write_shipped_counts():
+            print(path)
+    for path in write_shipped_traces():
         print(path)

@@ -382,6 +382,13 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
         checkpoint = str(role_args.hf_checkpoint)
         config_dir = config_dir_for(checkpoint, family)
         if config_dir is None:
+            from miles.models.checkpoints import is_builtin_model
+
+            if is_builtin_model(checkpoint):
+                raise LookupError(
+                    f"--hf-checkpoint {checkpoint}: the built-in model is built on its first use; its memory is "
+                    "estimated once it is"
+                )
             raise LookupError(
                 f"--hf-checkpoint {checkpoint!r}: no local checkpoint directory and no real-size configs shipped for "
                 f"it in miles (model family {family.name!r}); give a local checkpoint directory"

@@ -331,6 +331,30 @@ class TrainPipelineConfig(SglangAdapter):
             )
         return (self.latent_channels(pipe), height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
 
+    # ---- memory before launch: one micro-batch's tensors from the component configs alone -------------
+    def config_pipe(self, configs: Mapping[str, Mapping[str, Any]]) -> Any:
+        """A stand-in for the pipeline with only what `latent_shape` reads, from the checkpoint's component
+        configs ({component: its config.json}): each component as `.config`, and the VAE's scale factor as the
+        pipeline computes it. Default: an AutoencoderKL (2 ** (number of VAE blocks - 1))."""
+        from types import SimpleNamespace
+
+        pipe = SimpleNamespace(
+            **{name: SimpleNamespace(config=SimpleNamespace(**cfg)) for name, cfg in configs.items()}
+        )
+        blocks = configs.get("vae", {}).get("block_out_channels", [0, 0, 0, 0])
+        pipe.vae_scale_factor = 2 ** (len(blocks) - 1)
+        return pipe
+
+    def example_conditions(
+        self, configs: Mapping[str, Mapping[str, Any]], text_length: int
+    ) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """{condition input: (shape of one sample's tensor, dtype)} as `encode_prompts` makes them at `text_length`
+        tokens, from the component configs alone (dtype None: the text encoder's, i.e. the forward dtype; shape
+        None: the input is passed as None, which `forward_velocity` must accept). The
+        memory plan traces the training forward on these (`miles.memory.activations`); a family without it gets
+        no activation estimate."""
+        raise NotImplementedError(f"model family {self.name!r} does not describe its conditions (example_conditions)")
+
     def encode_images(self, pipe: Any, pixels: Any) -> Any:
         """Images [B, 3, H, W] in [-1, 1] -> normalised latents [B, C, h, w] (the posterior mean)."""
         vae = pipe.vae

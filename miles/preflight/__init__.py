@@ -2,7 +2,7 @@
 
 `miles train|eval|rollout-only|replay` runs it after printing the args and before anything starts (no Ray, no
 model build); `miles inspect-config --check` runs it alone. Each check is a small function of the resolved job
-in a module with one job (models, data, hooks, checkpoint, cluster, replay), registered once in `CHECKS` with
+in a module with one job (models, data, hooks, checkpoint, cluster, memory, replay), registered once in `CHECKS` with
 the jobs it applies to; each returns one line per problem, naming the flag, the value, what is wrong and what
 to do. Torch- and Ray-free, except the hook check (it imports your hook modules), the rollout-file check (it
 loads the rollout a replay trains on) and `--eval-config` (read by `miles.rollout.evaluation.eval_datasets`).
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from miles.config.errors import ConfigError
-from miles.preflight import checkpoint, cluster, data, hooks, models, replay
+from miles.preflight import checkpoint, cluster, data, hooks, memory, models, replay
 from miles.preflight.base import TRAINING_JOBS, Check
 from miles.utils.text import clip
 
@@ -35,6 +35,7 @@ CHECKS: tuple[Check, ...] = (
     Check("--save", checkpoint.check_save_over_checkpoints, jobs=TRAINING_JOBS),
     Check("output folders", checkpoint.check_outputs),
     Check("cluster", cluster.check_cluster),
+    Check("GPU memory", memory.check_gpu_memory),
     Check("rollout files", replay.check_rollout_files, jobs=frozenset({"rl", "replay"})),
 )
 

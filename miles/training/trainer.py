@@ -145,6 +145,8 @@ class Trainer:
     def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         """One rollout's optimizer steps; returns the mean metrics (names without the train/ prefix)."""
         start = time.perf_counter()
+        if torch.cuda.is_available():  # the memory plan's check on a GPU (bench/gpu_acceptance.sh)
+            torch.cuda.reset_peak_memory_stats()
         loss_type = self.args.loss_type
         micro = {"policy_loss": self._flow_grpo_micro, "nft": self._nft_micro, "custom_loss": self._custom_micro}
         if loss_type not in micro:
@@ -163,6 +165,8 @@ class Trainer:
             # log_prob_mean_abs_diff averages all optimizer steps and so includes the policy's own drift
             out["log_prob_abs_diff_first_step"] = first_diff
         out["train_time"] = time.perf_counter() - start
+        if torch.cuda.is_available():
+            out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return out
 
     def _step(self, pairs: list[Pair], micro_fn) -> dict[str, float]:

@@ -251,6 +251,7 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--output-dir": (PATH, None),
     "--verbose": (BOOL, False),
     "--hook-timeout": (FLOAT, 1800.0),
+    "--gpu-memory-gib": (FLOAT, None),
     "--rm-url": (STR, None),
     "--teacher-checkpoint": (PATH, None),
     "--dmd2-student-timesteps": (INT_LIST, [999, 749, 499, 249]),

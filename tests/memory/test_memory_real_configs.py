@@ -79,8 +79,10 @@ def test_shipped_counts_are_current_and_published_sizes(config_dir: Path) -> Non
 def test_shipped_counts_equal_a_fresh_meta_build(config_dir: Path, model) -> None:
     from miles.memory.measure import measure
 
-    fresh = measure(config_dir, model.family, model.components, model.targets)
-    assert fresh.to_json() == cached_counts(config_dir).to_json()
+    fresh = measure(config_dir, model.family, model.components, model.targets).to_json()
+    shipped = cached_counts(config_dir).to_json()
+    # the same tensors with today's libraries (the record's versions say which it was measured with)
+    assert {k: v for k, v in fresh.items() if k != "versions"} == {k: v for k, v in shipped.items() if k != "versions"}
 
 
 def test_the_configs_ship_in_the_wheel() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from miles.config.catalog._common import ENGINE_JOBS, LOOP_JOBS, flag_maker
-from miles.config.flags import BOOL, INT, STR, TRISTATE, Flag
+from miles.config.flags import BOOL, FLOAT, INT, STR, TRISTATE, Flag
 
 GROUP = "Cluster"
 _f = flag_maker(GROUP)
@@ -38,6 +38,16 @@ FLAGS: list[Flag] = [
         8,
         "GPUs the job may use on each node; set it when a node has fewer than 8.",
         min=1,
+    ),
+    _f(
+        "gpu-memory-gib",
+        FLOAT,
+        None,
+        "GPU memory (GiB) the memory plan checks each GPU's estimated peak against; a job over it is refused "
+        "before launch with the changes that make it fit. Default: the smallest GPU nvidia-smi reports on this "
+        "machine, else 80. 0 turns the check off.",
+        min=0,
+        meta={"default_text": "nvidia-smi's, else 80"},
     ),
     _f(
         "colocate",

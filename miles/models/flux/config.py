@@ -103,6 +103,16 @@ class FluxTrainPipelineConfig(TrainPipelineConfig):
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.transformer.config.in_channels) // 4
 
+    def example_conditions(self, configs: Any, text_length: int) -> dict[str, Any]:
+        """`text_length` T5 tokens `joint_attention_dim` wide, the pooled CLIP `pooled_projection_dim` wide, and the
+        embedded guidance value (a float32 scalar per sample)."""
+        transformer = configs["transformer"]
+        return {
+            "encoder_hidden_states": ((int(text_length), int(transformer["joint_attention_dim"])), None),
+            "pooled_projections": ((int(transformer["pooled_projection_dim"]),), None),
+            "guidance": ((), "float32"),
+        }
+
     def encode_prompts(
         self,
         pipe: Any,

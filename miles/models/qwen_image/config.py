@@ -61,6 +61,21 @@ class QwenImageTrainPipelineConfig(TrainPipelineConfig):
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.vae.config.z_dim)
 
+    def config_pipe(self, configs: Any) -> Any:
+        """QwenImagePipeline's VAE scale factor: 2 ** the number of the VAE's temporal-downsample flags."""
+        pipe = super().config_pipe(configs)
+        pipe.vae_scale_factor = 2 ** len(configs.get("vae", {}).get("temperal_downsample", [0, 0, 0]))
+        return pipe
+
+    def example_conditions(self, configs: Any, text_length: int) -> dict[str, Any]:
+        """Qwen2.5-VL states `joint_attention_dim` wide at `text_length` tokens, the bound (a prompt's template-free
+        length is at most that), so every token attends and the mask is None."""
+        width = int(configs["transformer"]["joint_attention_dim"])
+        return {
+            "encoder_hidden_states": ((int(text_length), width), None),
+            "encoder_hidden_states_mask": (None, None),  # all ones: the forward then passes no mask
+        }
+
     # ---- text ------------------------------------------------------------------------------------
     def encode_prompts(
         self,
@@ -107,8 +122,8 @@ class QwenImageTrainPipelineConfig(TrainPipelineConfig):
     def forward_velocity(self, transformer: Any, latents: Any, timestep: Any, cond: dict[str, Any]) -> Any:
         """Pack, run the DiT with `img_shapes` and t/1000 (mask None when all ones), unpack."""
         b, h, w = int(latents.shape[0]), int(latents.shape[-2]), int(latents.shape[-1])
-        mask = cond["encoder_hidden_states_mask"]
-        mask = None if bool(mask.bool().all()) else mask.to(latents.device).long()
+        mask = cond["encoder_hidden_states_mask"]  # None: every token attends (the memory plan's trace)
+        mask = None if mask is None or bool(mask.bool().all()) else mask.to(latents.device).long()
         out = transformer(
             hidden_states=pack_latents(latents),
             timestep=timestep.to(latents.dtype) / 1000,

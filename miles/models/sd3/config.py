@@ -72,6 +72,16 @@ class SD3TrainPipelineConfig(TrainPipelineConfig):
             return positive, None
         return positive, {"encoder_hidden_states": neg, "pooled_projections": neg_pooled}
 
+    def example_conditions(self, configs: Any, text_length: int) -> dict[str, Any]:
+        """CLIP-L and CLIP-G tokens (their position count, 77) then `text_length` T5 tokens, all
+        `joint_attention_dim` wide; the two CLIP pooled outputs, `pooled_projection_dim` wide."""
+        transformer = configs["transformer"]
+        clip = int(configs.get("text_encoder", {}).get("max_position_embeddings", 77))
+        return {
+            "encoder_hidden_states": ((clip + int(text_length), int(transformer["joint_attention_dim"])), None),
+            "pooled_projections": ((int(transformer["pooled_projection_dim"]),), None),
+        }
+
     # ---- training-side parallelism (miles.models.sd3.parallel: diffusers' SD3 processor has neither) ----
     def enable_sequence_parallel(self, model: Any, group: Any) -> None:
         """Ulysses over `group`: image tokens split after the patch embedding, gathered after `proj_out`."""

@@ -145,6 +145,20 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         )
         return {"encoder_hidden_states": pos}, ({"encoder_hidden_states": neg} if do_cfg else None)
 
+    def config_pipe(self, configs: Any) -> Any:
+        """WanPipeline's factors: the VAE config's `scale_factor_temporal` / `scale_factor_spatial` (diffusers'
+        defaults 4 and 8 when the config leaves them out)."""
+        pipe = super().config_pipe(configs)
+        vae = configs.get("vae", {})
+        pipe.vae_scale_factor_temporal = int(vae.get("scale_factor_temporal") or 4)
+        pipe.vae_scale_factor_spatial = int(vae.get("scale_factor_spatial") or 8)
+        return pipe
+
+    def example_conditions(self, configs: Any, text_length: int) -> dict[str, Any]:
+        """UMT5 states zero-padded to `text_length` tokens, the experts' `text_dim` wide."""
+        expert = next(configs[name] for name in EXPERTS if name in configs)
+        return {"encoder_hidden_states": ((int(text_length), int(expert["text_dim"])), None)}
+
     # ---- forward ---------------------------------------------------------------------------------------
     def row_guidance(
         self, transformer: Any, latents: Any, timestep: Any, cfg_scale: float, cfg_scale_2: float | None
