@@ -19,7 +19,7 @@ optimizer state and gradients off after train, parameters (and the EMA) after th
 
 What each engine holds (`DiffusersEngine`): every module of the pipeline in `--diffusion-forward-dtype` (the VAE
 in fp32 when that is not fp32), released under `--offload-rollout` while the trainers train; with LoRA-only weight
-sync the diffusers engine also keeps a copy of each adapted base weight (`LoraMerger`), which no offload releases.
+sync the diffusers engine also keeps a copy of each adapted base weight (`LoraMerger`), released with the pipeline.
 
 The weight sync (`miles.training.in_place_sync`; the actor's weights only): every rank gathers each tensor to its
 full size on the device before copying it to the host (`sync/gather`: the largest tensor), and under `--colocate`
@@ -333,8 +333,8 @@ def engine_slot(
         pipeline += component.total_bytes(forward, cast=cast)
     held = [p for p in phases if not (bool(args.offload_rollout) and p == TRAIN)]
     slot.add(held, "pipeline", pipeline)
-    if lora_base:
-        slot.add(phases, "lora_merger/base_copies", lora_base, "exact: not released by --offload-rollout")
+    if lora_base:  # released with the pipeline under --offload-rollout
+        slot.add(held, "lora_merger/base_copies", lora_base)
     return slot
 
 

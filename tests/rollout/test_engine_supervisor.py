@@ -177,6 +177,19 @@ def test_a_restart_that_does_not_restore_the_synced_weights_is_an_error(actor_cl
         sup.shutdown()
 
 
+def _wait_dead(actor: Any, timeout: float = 30.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.weights_digest.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{actor} still answers {timeout} s after ray.kill")
+
+
 def test_an_engine_dead_before_a_weight_sync_is_restarted_and_synced(actor_class: Any, tmp_path: Path) -> None:
     import ray
 
@@ -185,6 +198,7 @@ def test_an_engine_dead_before_a_weight_sync_is_restarted_and_synced(actor_class
         push = _push(sup)
         sup.sync(push, {"w": torch.tensor(1.0)}, 1)
         ray.kill(sup.engines[1], no_restart=True)
+        _wait_dead(sup.engines[1])  # ray.kill returns before the actor is gone: a sync could still reach it
         sup.sync(push, {"w": torch.tensor(2.0)}, 2)
         assert [entry["engine"] for entry in sup.restart_log] == [1]
         assert sup.restart_log[0]["reason"].startswith("its actor died")

@@ -81,3 +81,32 @@ def test_engine_round_trip_generates_the_same_samples(rollout) -> None:
         assert torch.equal(a.trajectory.latents, b.trajectory.latents)
         assert torch.equal(a.trajectory.log_probs, b.trajectory.log_probs)
         assert torch.equal(a.image, b.image)
+
+
+def test_engine_offload_releases_the_lora_merger_base_copies(rollout) -> None:
+    """A LoRA-only sync leaves a base copy of each adapted weight on the engine's device; --offload-rollout releases
+    it with the pipeline and the onload brings it back bit for bit (the next merge starts from it)."""
+    manager, _ = rollout
+    engine = manager.engines[0]
+    name = next(n for n, _ in engine.transformer.named_parameters() if n.endswith("attn.to_q.weight"))
+    prefix = name.removesuffix(".weight")
+    weight = dict(engine.transformer.named_parameters())[name]
+    out_f, in_f = weight.shape
+    merger = engine.lora_merger
+    saved = merger.base
+    merger.base = {}
+    try:
+        merger.apply(engine.transformer, {
+            f"{prefix}.lora_A": torch.zeros(2, in_f), f"{prefix}.lora_B": torch.zeros(out_f, 2),
+            f"{prefix}.lora_scaling": torch.tensor(1.0, dtype=torch.float64),
+        })  # fmt: skip
+        base = merger.base[prefix]
+        kept = base.clone()
+        pipeline = sum(p.numel() * p.element_size() for p in engine.pipe.transformer.parameters())
+        moved = engine.offload()
+        assert moved["bytes"] >= pipeline + base.numel() * base.element_size()
+        assert base.untyped_storage().nbytes() == 0
+        assert engine.onload()["bytes"] == moved["bytes"]
+        assert torch.equal(base, kept) and torch.equal(weight, kept)
+    finally:
+        merger.base = saved

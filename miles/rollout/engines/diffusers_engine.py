@@ -139,14 +139,16 @@ class DiffusersEngine:
         return True
 
     def offload(self) -> dict[str, float]:
-        """Release the pipeline's weights (every module's parameters and buffers) while the trainer runs
-        (--offload-rollout); `onload` brings the same bytes back (`miles.utils.offload`)."""
+        """Release the pipeline's weights (every module's parameters and buffers) and the LoRA merger's base
+        copies while the trainer runs (--offload-rollout); `onload` brings the same bytes back before the next
+        weight sync needs them (`miles.utils.offload`)."""
         from miles.utils.offload import Offloader, module_tensors
 
         if self._offloader is None:
             self._offloader = Offloader(self.device)
         modules = [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
-        return self._offloader.offload(module_tensors(modules)).as_metrics()
+        tensors = [*module_tensors(modules), *self.lora_merger.base.values()]
+        return self._offloader.offload(tensors).as_metrics()
 
     def onload(self) -> dict[str, float]:
         if self._offloader is None:
