@@ -11,7 +11,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import ClassVar
 
+from miles import methods
 from miles.config.resolution import Resolution
+from miles.methods import METHODS
 
 Rule = Callable[[Resolution, "JobSpec"], None]
 
@@ -63,8 +65,9 @@ class JobSpec:
 
         loss = res["loss_type"]
         if res["ref_mode"] is None and self.trains:
-            if loss == "nft":
-                res.derive("ref_mode", "ema")
+            wanted = METHODS[loss].ref_mode if loss in METHODS else None
+            if wanted is not None:
+                res.derive("ref_mode", wanted)
             elif res["diffusion_kl_beta"] > 0:
                 res.derive("ref_mode", "lora_base")
             else:
@@ -75,8 +78,8 @@ class TrainRL(JobSpec):
     name = "rl"
     command = "train rl"
     summary = "Flow-GRPO or DiffusionNFT: sample, score, optimize the actor, sync weights."
-    auto_loss_type = "policy_loss"
-    allowed_loss_types = ("policy_loss", "nft", "custom_loss")
+    auto_loss_type = methods.auto_loss_type("rl")
+    allowed_loss_types = methods.loss_types_for("rl")
     generates = trains = scores = needs_prompt_data = True
 
 
@@ -84,8 +87,8 @@ class TrainSFT(JobSpec):
     name = "sft"
     command = "train sft"
     summary = "Flow-matching fine-tuning on dataset images (train-only: no engines)."
-    auto_loss_type = "sft_loss"
-    allowed_loss_types = ("sft_loss", "custom_loss")
+    auto_loss_type = methods.auto_loss_type("sft")
+    allowed_loss_types = methods.loss_types_for("sft")
     force_train_only = True
     trains = needs_prompt_data = True
 
@@ -94,8 +97,8 @@ class TrainDMD2(JobSpec):
     name = "dmd2"
     command = "train dmd2"
     summary = "DMD2: distill a many-step teacher into a few-step student (critic group + actor)."
-    auto_loss_type = "dmd2"
-    allowed_loss_types = ("dmd2",)
+    auto_loss_type = methods.auto_loss_type("dmd2")
+    allowed_loss_types = methods.loss_types_for("dmd2")
     generates = trains = needs_prompt_data = True
     trainer_roles = ("critic", "actor")
 
@@ -126,8 +129,8 @@ class Replay(JobSpec):
     name = "replay"
     command = "replay"
     summary = "Train on a saved rollout file with no engines started."
-    auto_loss_type = "policy_loss"
-    allowed_loss_types = ("policy_loss", "nft", "custom_loss")
+    auto_loss_type = methods.auto_loss_type("replay")
+    allowed_loss_types = methods.loss_types_for("replay")
     force_train_only = True
     trains = True
 

@@ -6,8 +6,8 @@ of one micro-batch) or the engine's denoising forward (no grad). `transient_byte
 `traces.json` shipped next to a family's real configs, else `$MILES_HOME/memory/traces/<key>.json`, else traces it
 (`miles.memory.activations`: fake tensors, seconds at real size) and writes the cache. Torch-free on a hit.
 
-Which forwards a training method runs with gradients is this module's table (`TRAINED_FORWARD`), keyed by
-`--loss-type`: the one place the memory plan knows about methods.
+Whether a method's trained forward is guided (the rollout's CFG pairs in the graph) is the method table's
+(`miles.methods`, `guided_forward`).
 """
 
 from __future__ import annotations
@@ -26,19 +26,6 @@ from miles.utils.paths import file_lock, miles_home
 
 TRACES_FILE = "traces.json"
 TRACE_FORMAT = 1
-
-# --loss-type -> does the trained forward run the rollout's CFG (both branches in the graph)?
-#   policy_loss / custom_loss: the SDE transition is re-scored with the rollout's guided velocity
-#   nft, sft_loss: one unguided forward;  dmd2 / dmd2_critic: the student's (or critic's) unguided forward (the
-#   teacher's guided forward runs without gradients and is freed before the backward)
-TRAINED_FORWARD: dict[str, bool] = {
-    "policy_loss": True,
-    "custom_loss": True,
-    "nft": False,
-    "sft_loss": False,
-    "dmd2": False,
-    "dmd2_critic": False,
-}
 
 
 @dataclass(frozen=True)
@@ -178,7 +165,10 @@ def train_spec(role_args: Any, family: Any, configs: Mapping[str, Any], componen
     from miles.memory.static import lora_targets
 
     latent, conditions = _shapes(family, configs, role_args, role_args.hf_checkpoint)
-    cfg = TRAINED_FORWARD.get(str(role_args.loss_type), True) and family.supports_cfg_training
+    from miles.methods import METHODS
+
+    known = METHODS.get(str(role_args.loss_type))
+    cfg = (known.guided_forward if known is not None else True) and family.supports_cfg_training
     lora = None
     if role_args.use_lora:
         lora = (int(role_args.lora_rank), int(role_args.lora_alpha), tuple(lora_targets(role_args, family)))

@@ -20,6 +20,7 @@ from miles.algorithms.nft import nft_corrupt, nft_loss, nft_timesteps
 from miles.algorithms.policy_loss import policy_loss
 from miles.algorithms.sft_loss import noisy_latents, sample_sigmas, sft_loss
 from miles.config.errors import ConfigError
+from miles.methods import method
 from miles.rollout.sde_backends import backend_step
 from miles.rollout.types import Sample
 from miles.training.custom_hooks import TrainHooks
@@ -148,13 +149,14 @@ class Trainer:
         if torch.cuda.is_available():  # the memory plan's check on a GPU (bench/gpu_acceptance.sh)
             torch.cuda.reset_peak_memory_stats()
         loss_type = self.args.loss_type
-        micro = {"policy_loss": self._flow_grpo_micro, "nft": self._nft_micro, "custom_loss": self._custom_micro}
-        if loss_type not in micro:
+        step = method(loss_type).step  # the method table (miles.methods)
+        if step is None:
             raise NotImplementedError(f"--loss-type {loss_type} is not trained on rollouts")
+        micro = {"flow_grpo": self._flow_grpo_micro, "nft": self._nft_micro, "custom": self._custom_micro}
         totals: dict[str, list[float]] = {}
         first_diff = None
         for pairs in self.hooks.train_data(samples, self._expand):
-            metrics = self._step(pairs, micro[loss_type])
+            metrics = self._step(pairs, micro[step])
             if first_diff is None:
                 first_diff = metrics.get("log_prob_mean_abs_diff")
             for k, v in metrics.items():
@@ -206,7 +208,7 @@ class Trainer:
 
     def _expand(self, window: list[Sample]) -> list[Pair]:
         """The built-in expansion of one window: NFT's trained sigmas, else every recorded SDE transition."""
-        return self._expand_nft(window) if self.args.loss_type == "nft" else expand_flow_grpo(window)
+        return self._expand_nft(window) if method(self.args.loss_type).pairs == "nft" else expand_flow_grpo(window)
 
     def _custom_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
         return self.hooks.custom_micro(self, batch)

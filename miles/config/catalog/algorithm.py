@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from miles.config.catalog._common import NFT_JOBS, flag_maker
 from miles.config.flags import BOOL, DOTTED, ENUM, FLOAT, Flag
+from miles.methods import LOSS_TYPES  # the method table is the one list of loss types
 
 GROUP = "Algorithm and loss"
 _f = flag_maker(GROUP)
 
-LOSS_TYPES = ("policy_loss", "nft", "sft_loss", "custom_loss", "dmd2", "dmd2_critic")
 
 FLAGS: list[Flag] = [
     _f(

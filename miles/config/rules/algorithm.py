@@ -6,6 +6,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from miles.config.resolution import Resolution
+from miles.methods import rollout_loss_types
 
 if TYPE_CHECKING:
     from miles.config.jobs import JobSpec
@@ -91,7 +92,7 @@ def check_dmd2(res: Resolution, job: JobSpec) -> None:
         res.fail(f"{res.show('dmd2_min_step_ratio')} must be below {res.show('dmd2_max_step_ratio')}")
 
 
-ROLLOUT_LOSSES = ("policy_loss", "nft", "custom_loss")
+ROLLOUT_LOSSES = rollout_loss_types()  # the methods that train on rollout pairs (miles.methods)
 PAIR_HOOKS = (
     "custom_convert_samples_to_train_data_path",
     "custom_expand_samples_to_train_pairs_path",

@@ -1,0 +1,39 @@
+"""The method table (`miles.methods`) is the one list of loss types: the flag's choices, each job's allowed and
+auto loss types, the rollout-pair rule, the automatic --ref-mode, the trainer's dispatch and the memory plan's
+traced forward all read it."""
+
+from __future__ import annotations
+
+from miles.config.catalog import FLAGS_BY_DEST
+from miles.config.jobs import JOBS
+from miles.config.resolve import resolve
+from miles.config.rules.algorithm import ROLLOUT_LOSSES
+from miles.methods import LOSS_TYPES, METHODS, auto_loss_type, loss_types_for, rollout_loss_types
+
+
+def test_the_flag_and_the_jobs_read_the_table() -> None:
+    assert tuple(FLAGS_BY_DEST["loss_type"].choices) == LOSS_TYPES == tuple(METHODS)
+    for name, job in JOBS.items():
+        assert job.allowed_loss_types == loss_types_for(name)
+        assert job.auto_loss_type == auto_loss_type(name)
+    assert JOBS["rl"].allowed_loss_types == ("policy_loss", "nft", "custom_loss")
+    assert JOBS["sft"].allowed_loss_types == ("sft_loss", "custom_loss")
+    assert ROLLOUT_LOSSES == rollout_loss_types() == ("policy_loss", "nft", "custom_loss")
+
+
+def test_each_method_resolves_as_its_entry_says() -> None:
+    nft = resolve(
+        "rl", recipe="tiny-digits-grpo", cli={"loss_type": "nft", "diffusion_sde_type": "ode", "use_ema": True}
+    ).args
+    assert nft.ref_mode == METHODS["nft"].ref_mode == "ema"
+    grpo = resolve("rl", recipe="tiny-digits-grpo").args
+    assert grpo.loss_type == "policy_loss" and grpo.ref_mode == "none"
+
+
+def test_the_trainer_has_a_step_for_every_method_that_trains_on_rollouts() -> None:
+    from miles.training.trainer import Trainer
+
+    for m in METHODS.values():
+        if m.on_rollouts:
+            assert m.step is not None and m.pairs is not None, m.name
+            assert callable(getattr(Trainer, f"_{m.step}_micro")), m.name
