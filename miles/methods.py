@@ -24,6 +24,8 @@ class Method:
         None: the method trains through its own entry point, e.g. SFT's `train_sft`, DMD2's trainers).
     guided_forward: the trained forward runs the rollout's guided velocity (CFG pairs when the rollout used CFG).
     ref_mode: the automatic `--ref-mode` it wants (None: `lora_base` when `--diffusion-kl-beta` > 0, else `none`).
+    rules: its rule function in `miles.config.rules.methods.RULES_BY_NAME` (None: none of its own).
+    own_flags: flags (dests) that only it reads: refused under any other method.
     """
 
     name: str
@@ -35,6 +37,8 @@ class Method:
     step: str | None = None
     guided_forward: bool = False
     ref_mode: str | None = None
+    rules: str | None = None
+    own_flags: tuple[str, ...] = ()
 
 
 METHODS: dict[str, Method] = {
@@ -49,6 +53,8 @@ METHODS: dict[str, Method] = {
             pairs="flow_grpo",
             step="flow_grpo",
             guided_forward=True,
+            rules="policy_loss",
+            own_flags=("diffusion_recompute_old_log_prob",),
         ),
         Method(
             "nft",
@@ -58,6 +64,7 @@ METHODS: dict[str, Method] = {
             pairs="nft",
             step="nft",
             ref_mode="ema",
+            rules="nft",
         ),
         Method("sft_loss", "flow matching on dataset images", jobs=("sft",), auto_for=("sft",)),
         Method(
@@ -68,6 +75,8 @@ METHODS: dict[str, Method] = {
             pairs="flow_grpo",
             step="custom",
             guided_forward=True,
+            rules="custom_loss",
+            own_flags=("custom_loss_function_path", "custom_prepare_train_batch_path"),
         ),
         Method(
             "dmd2", "DMD2's few-step student (distribution matching, optional GAN)", jobs=("dmd2",), auto_for=("dmd2",)

@@ -37,3 +37,19 @@ def test_the_trainer_has_a_step_for_every_method_that_trains_on_rollouts() -> No
         if m.on_rollouts:
             assert m.step is not None and m.pairs is not None, m.name
             assert callable(getattr(Trainer, f"_{m.step}_micro")), m.name
+
+
+def test_a_methods_own_flags_are_refused_under_another_method() -> None:
+    """`own_flags` in the table: one generic rule, the same line for each method's flags."""
+    import pytest
+
+    from miles.config.errors import ConfigError
+
+    base = {"loss_type": "nft", "diffusion_sde_type": "ode", "use_ema": True}
+    for dest, value, owner in (
+        ("diffusion_recompute_old_log_prob", True, "policy_loss"),
+        ("custom_loss_function_path", "my.loss", "custom_loss"),
+    ):
+        assert dest in METHODS[owner].own_flags
+        with pytest.raises(ConfigError, match=rf"applies to --loss-type {owner} only, not nft"):
+            resolve("rl", recipe="tiny-digits-grpo", cli={**base, dest: value})

@@ -6,6 +6,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from miles.config.resolution import Resolution
+from miles.config.rules.methods import check_method
 from miles.methods import rollout_loss_types
 
 if TYPE_CHECKING:
@@ -17,16 +18,11 @@ STEP_STRATEGY_HUB = "miles.rollout.step_strategy_hub."
 def check_reference_and_ema(res: Resolution, job: JobSpec) -> None:
     if not job.trains:
         return
-    loss, ref = res["loss_type"], res["ref_mode"]
+    ref = res["ref_mode"]
     if res["diffusion_kl_beta"] > 0 and ref == "none":
         res.fail(f"{res.show('diffusion_kl_beta')} needs a reference model, but {res.show('ref_mode')}")
     if ref == "lora_base" and not res["use_lora"]:
         res.fail(f"{res.show('ref_mode')} uses the LoRA base model as the reference: it requires --use-lora")
-    if loss == "nft" and res["diffusion_kl_beta"] > 0 and not res["use_lora"]:
-        res.fail(
-            f"{res.show('diffusion_kl_beta')} under --loss-type nft is a KL to the LoRA base model (adapters off): "
-            "it requires --use-lora"
-        )
     if ref == "ema" and not res["use_ema"]:
         res.fail(f"{res.show('ref_mode')} (auto under --loss-type nft) requires --use-ema")
     if res["ema_rollout_policy"] == "ema" and not res["use_ema"]:
@@ -35,10 +31,6 @@ def check_reference_and_ema(res: Resolution, job: JobSpec) -> None:
         res.fail(
             f"{res.show('use_ema')} keeps an EMA copy nobody reads: add --ref-mode ema or --ema-rollout-policy ema"
         )
-    if res["diffusion_recompute_old_log_prob"] and loss != "policy_loss":
-        res.fail(f"{res.show('diffusion_recompute_old_log_prob')} applies to --loss-type policy_loss only, not {loss}")
-    if loss == "custom_loss" and res["custom_loss_function_path"] is None:
-        res.fail(f"{res.show('loss_type')} requires --custom-loss-function-path")
 
 
 def check_sampler(res: Resolution, job: JobSpec) -> None:
@@ -69,17 +61,6 @@ def check_sampler(res: Resolution, job: JobSpec) -> None:
                 f"{res.show('diffusion_num_sde_steps')} does not fit the SDE window [{lo}, {hi}) "
                 "(--diffusion-sde-window-range)"
             )
-    if job.trains and job.generates and res["loss_type"] == "policy_loss":
-        if res["diffusion_sde_type"] == "ode":
-            res.fail(
-                f"--loss-type policy_loss trains on stochastic steps, but {res.show('diffusion_sde_type')} "
-                "samples none (use --loss-type nft for ODE rollouts)"
-            )
-        if res["diffusion_num_sde_steps"] == 0 and not strategy:
-            res.fail(
-                "--loss-type policy_loss needs trained SDE steps: set --diffusion-num-sde-steps N "
-                "or --diffusion-step-strategy-path (both are unset)"
-            )
 
 
 def check_dmd2(res: Resolution, job: JobSpec) -> None:
@@ -105,9 +86,6 @@ def check_train_hooks(res: Resolution, job: JobSpec) -> None:
     if not job.trains:
         return
     loss = res["loss_type"]
-    for dest in ("custom_loss_function_path", "custom_prepare_train_batch_path"):
-        if res[dest] is not None and loss != "custom_loss":
-            res.fail(f"{res.show(dest)} applies to --loss-type custom_loss only, not {loss}")
     if job.name == "sft" or loss not in ROLLOUT_LOSSES:
         for dest in PAIR_HOOKS:
             if res[dest] is not None:
@@ -117,4 +95,4 @@ def check_train_hooks(res: Resolution, job: JobSpec) -> None:
                 )
 
 
-RULES = (check_reference_and_ema, check_sampler, check_dmd2, check_train_hooks)
+RULES = (check_reference_and_ema, check_method, check_sampler, check_dmd2, check_train_hooks)
