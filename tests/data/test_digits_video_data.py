@@ -46,6 +46,7 @@ def test_directions_are_deterministic_and_balanced_per_digit():
     assert assign_directions(labels) == ["right", "left", "right", "down", "up", "left", "right"]
 
 
+@pytest.mark.slow  # over a second (a build, a video set, a spawned process)
 def test_resolve_generates_the_video_set_once(miles_home, digits_split):
     from miles.io.video import read_video
 
@@ -115,6 +116,7 @@ def test_resolve_generates_the_video_set_once(miles_home, digits_split):
     assert json.loads(manifest.read_text())["format_version"] == FORMAT_VERSION
 
 
+@pytest.mark.slow  # over a second (a build, a video set, a spawned process)
 def test_miles_data_digits_video_writes_the_set(tmp_path) -> None:
     from typer.testing import CliRunner
 

@@ -96,6 +96,7 @@ def test_module_imports_without_torch():
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.slow  # over a second (a build, a video set, a spawned process)
 def test_layout_and_metadata(fast_flux_build, fast_flux_dir):
     for sub in (*COMPONENTS, *TOKENIZERS, "digit_classifier"):
         assert (fast_flux_dir / sub).is_dir(), sub

@@ -64,6 +64,7 @@ def test_a_bucket_holds_every_tensor_at_its_byte_offset() -> None:
             assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name])
 
 
+@pytest.mark.slow  # over a second (a build, a video set, a spawned process)
 def test_another_process_maps_the_bucket_from_plain_bytes_and_the_sender_frees_it(tmp_path: Path) -> None:
     state = _state()
     names = ["a.weight", "a.bias", "c.weight"]

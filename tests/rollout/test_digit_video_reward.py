@@ -48,6 +48,7 @@ def rendered(digits_split):
     return videos, [int(v) for v in y], directions
 
 
+@pytest.mark.slow  # over a second (a build, a video set, a spawned process)
 def test_video_reward_right_vs_wrong_label(video_classifier, rendered):
     videos, labels, _ = rendered
     right = np.array(digit_reward(videos, labels, video_classifier, value_range="0,1"))
@@ -83,6 +84,7 @@ def test_mixed_images_and_videos_keep_their_order(video_classifier, rendered, di
     assert probs[0, labels[0]] == pytest.approx(mixed[0], abs=1e-12)
 
 
+@pytest.mark.slow  # over a second (a build, a video set, a spawned process)
 def test_per_frame_accuracy_fd_and_direction(video_classifier, rendered):
     videos, labels, directions = rendered
     from miles.models.digit_classifier import digits_to_features, videos_to_digits
