@@ -87,10 +87,10 @@ def _module(config_dir: Path, family: Any, spec: StepSpec, dtype: torch.dtype) -
             model = inject_lora(model, lora, family)
     else:
         model = build_denoiser(config_dir, family, spec.components, dtype, lora)
-    if spec.gradient_checkpointing:  # as miles.training.model.load_transformer
-        for module in [model, *model.children()]:
-            if hasattr(module, "enable_gradient_checkpointing"):
-                module.enable_gradient_checkpointing()
+    if spec.gradient_checkpointing:
+        from miles.training.model import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model)
     return model.train() if spec.grad else model.eval()
 
 
@@ -110,13 +110,22 @@ def _materialize(model: torch.nn.Module) -> None:
                 setattr(module, name, torch.empty(value.shape, dtype=value.dtype, device="cpu"))
 
 
-def _inputs(spec: StepSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def _inputs(
+    spec: StepSpec, dtype: torch.dtype, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """The micro-batch of `spec`: latents, timesteps, conditions (random floats; integer inputs are ones)."""
     b = spec.batch
-    x = torch.randn((b, *spec.latent), dtype=dtype)
+    x = torch.randn((b, *spec.latent), generator=generator).to(dtype)
     t = torch.full((b,), float(spec.timestep), dtype=torch.float32)
     cond: dict[str, Any] = {}
     for name, shape, dt in spec.conditions:
-        cond[name] = None if shape is None else torch.zeros((b, *shape), dtype=getattr(torch, dt) if dt else dtype)
+        kind = getattr(torch, dt) if dt else dtype
+        if shape is None:
+            cond[name] = None
+        elif kind.is_floating_point:
+            cond[name] = torch.randn((b, *shape), generator=generator).to(kind)
+        else:
+            cond[name] = torch.ones((b, *shape), dtype=kind)
     return x, t, cond
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.memory.static import GIB, ROLLOUT, SYNC, TRAIN, Entry, StaticMemory, static_memory
+from miles.memory.static import GIB, ROLLOUT, TRAIN, Entry, GpuStatic, StaticMemory, static_memory
 
 DEFAULT_GPU_MEMORY_GIB = 80.0
 MARGIN_GIB = 1.5  # CUDA context, cuBLAS / NCCL workspaces (shared/reference/memory_estimation.md)
@@ -30,32 +30,15 @@ GPU_MEMORY_ENV = "MILES_GPU_MEMORY_GIB"
 
 
 @dataclass
-class GpuPeak:
-    node: int
-    gpu: int
-    slots: list[str]
-    phases: dict[str, list[Entry]]
-
-    def total(self, phase: str) -> int:
-        return sum(e.bytes for e in self.phases.get(phase, []))
-
-    def peak(self) -> tuple[str, int]:
-        return max(((p, self.total(p)) for p in self.phases), key=lambda kv: kv[1], default=(TRAIN, 0))
-
-    def largest(self, phase: str, n: int = 3) -> list[Entry]:
-        return sorted(self.phases.get(phase, []), key=lambda e: -e.bytes)[:n]
-
-
-@dataclass
 class MemoryEstimate:
     static: StaticMemory
-    gpus: list[GpuPeak]
+    gpus: list[GpuStatic]  # each GPU's static entries plus its slots' largest transient per phase
     capacity_gib: float
     capacity_source: str
     notes: list[str] = field(default_factory=list)
     traces: list[dict[str, Any]] = field(default_factory=list)
 
-    def peak(self) -> tuple[GpuPeak, str, int]:
+    def peak(self) -> tuple[GpuStatic, str, int]:
         best = None
         for g in self.gpus:
             phase, n = g.peak()
@@ -97,13 +80,7 @@ class MemoryEstimate:
     def gpu_json(self, node: int, gpu: int) -> dict[str, Any]:
         for g in self.gpus:
             if (g.node, g.gpu) == (node, gpu):
-                return {
-                    p: {
-                        "gib": round(g.total(p) / GIB, 3),
-                        "entries": [dict(e.to_json(), owner=e.owner) for e in es],
-                    }
-                    for p, es in g.phases.items()
-                }
+                return {p: dict(v, gib=round(v["bytes"] / GIB, 3)) for p, v in g.to_json()["phases"].items()}
         return {}
 
 
@@ -140,23 +117,13 @@ def capacity(args: Any) -> tuple[float, str]:
 
 
 # ---- the estimate ---------------------------------------------------------------------------------------------
-def _family_of(role_args: Any) -> Any:
-    from miles.models.families import resolve_family
-
-    return resolve_family(
-        role_args.hf_checkpoint,
-        family=role_args.diffusion_model_family,
-        config_path=role_args.train_pipeline_config_path,
-        require_trainable=False,
-    )
-
-
 def _transients(resolved: Any, plan: Any, static: StaticMemory, notes: list[str], traces: list[dict]) -> dict:
     """{slot label: {phase: Entry}} of each slot's traced transient."""
     from miles.memory.config_dirs import config_dir_for
     from miles.memory.counts import DTYPE_BYTES
     from miles.memory.static import denoiser_of, shard_group_size
     from miles.memory.step import read_configs, rollout_spec, trace, train_spec
+    from miles.models.families import args_family
     from miles.models.pipeline_config import target_components
 
     out: dict[str, dict[str, Entry]] = {}
@@ -172,7 +139,7 @@ def _transients(resolved: Any, plan: Any, static: StaticMemory, notes: list[str]
 
     engines = plan.slots_of("engine")
     for role, role_args in resolved.trainer_args.items():
-        family = _family_of(role_args)
+        family = args_family(role_args)
         config_dir = config_dir_for(str(role_args.hf_checkpoint), family)
         if config_dir is None:
             continue
@@ -218,6 +185,7 @@ def gpu_view(resolved: Any) -> tuple[Any, str | None]:
     (`miles.config.rules.engines.resolve_backend`); the plan estimates the GPU run. (None: no change.)"""
     import dataclasses
 
+    from miles.models.families import args_family
     from miles.rollout.engines.sglang.server import gpus_present
 
     args = resolved.args
@@ -230,8 +198,8 @@ def gpu_view(resolved: Any) -> tuple[Any, str | None]:
     ):
         return resolved, None
     try:
-        family = _family_of(args)
-    except Exception:
+        family = args_family(args)
+    except Exception:  # a family problem: the config rules name it
         return resolved, None
     if family.sglang_unserved:
         return resolved, None
@@ -267,7 +235,7 @@ def estimate_memory(resolved: Any, plan: Any = None) -> MemoryEstimate:
             present = [c for c in candidates if c is not None]
             if present:
                 phases[phase].append(max(present, key=lambda e: e.bytes))
-        gpus.append(GpuPeak(g.node, g.gpu, list(g.slots), phases))
+        gpus.append(GpuStatic(g.node, g.gpu, list(g.slots), phases))
     cap, source = capacity(resolved.args)
     notes.append(
         f"not counted: the CUDA context and workspaces (a {MARGIN_GIB} GiB margin is added), fragmentation, "
@@ -289,18 +257,17 @@ def candidate_changes(resolved: Any) -> list[Change]:
 
     args = resolved.args
     trainers = list(resolved.trainer_args.values())
+    engines = any(s.role == "engine" for s in _plan_slots(resolved))
     out: list[Change] = []
     if not all(a.gradient_checkpointing for a in trainers):
         out.append(Change("--gradient-checkpointing", {"gradient_checkpointing": True}))
     if any(micro_batch_rows(a) > 1 for a in trainers):
         out.append(Change("--micro-batch-size 1", {"micro_batch_size": 1}))
-    if int(getattr(args, "rollout_microgroup_size", 1) or 1) > 1 and any(
-        s.role == "engine" for s in _plan_slots(resolved)
-    ):
+    if int(getattr(args, "rollout_microgroup_size", 1) or 1) > 1 and engines:
         out.append(Change("--rollout-microgroup-size 1", {"rollout_microgroup_size": 1}))
     if not args.use_lora and resolved.spec.name != "dmd2":
         out.append(Change("--use-lora", {"use_lora": True}))
-    if not (args.offload_train and args.offload_rollout) and any(s.role == "engine" for s in _plan_slots(resolved)):
+    if not (args.offload_train and args.offload_rollout) and engines:
         out.append(Change("--offload", {"offload": True}))
     nodes = int(args.actor_num_nodes)
     out.append(Change(f"--actor-num-nodes {nodes * 2}", {"actor_num_nodes": nodes * 2}))
@@ -344,12 +311,15 @@ def fit_changes(
     return out
 
 
-def refusal(estimate: MemoryEstimate, changes: Sequence[tuple[str, float, bool]]) -> str:
+def refusal(estimate: MemoryEstimate, changes: Sequence[tuple[str, float, bool]] | None) -> str:
+    """The one line of a plan over capacity; `changes` (from `fit_changes`; None: not computed) are named in it."""
     gpu, phase, nbytes = estimate.peak()
     line = (
         f"the memory plan does not fit: node {gpu.node} GPU {gpu.gpu} peaks at {estimate.with_margin(nbytes):.1f} GiB "
         f"in the {phase} phase, over the {estimate.capacity_gib:g} GiB per GPU of {estimate.capacity_source}"
     )
+    if changes is None:
+        return line
     fitting = [c for c in changes if c[2]]
     shown = fitting or list(changes)
     if shown:
@@ -358,16 +328,3 @@ def refusal(estimate: MemoryEstimate, changes: Sequence[tuple[str, float, bool]]
     else:
         line += "; no single change computed here brings it down (see `miles plan`'s breakdown)"
     return line
-
-
-__all__ = [
-    "SYNC",
-    "Change",
-    "GpuPeak",
-    "MemoryEstimate",
-    "candidate_changes",
-    "capacity",
-    "estimate_memory",
-    "fit_changes",
-    "refusal",
-]

@@ -35,8 +35,9 @@ def profiled_peak(fn: Any) -> int:
 
 def real_step(config_dir: Path, family: Any, spec: StepSpec, seed: int = 0) -> tuple[torch.nn.Module, Any]:
     """(the module with its real weights, a closure running the step once) on CPU."""
-    from miles.memory.activations import _GuidedStep
+    from miles.memory.activations import _GuidedStep, _inputs
     from miles.models.loading import quiet_loading
+    from miles.training.model import enable_gradient_checkpointing
 
     dtype = getattr(torch, spec.forward_dtype)
     with quiet_loading():
@@ -59,22 +60,9 @@ def real_step(config_dir: Path, family: Any, spec: StepSpec, seed: int = 0) -> t
             if p.requires_grad:
                 p.data = p.data.to(dtype)
     if spec.gradient_checkpointing:
-        for module in [model, *model.children()]:
-            if hasattr(module, "enable_gradient_checkpointing"):
-                module.enable_gradient_checkpointing()
+        enable_gradient_checkpointing(model)
     model.train() if spec.grad else model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    b = spec.batch
-    x = torch.randn((b, *spec.latent), generator=generator).to(dtype)
-    t = torch.full((b,), float(spec.timestep), dtype=torch.float32)
-    cond: dict[str, Any] = {}
-    for name, shape, dt in spec.conditions:
-        if shape is None:
-            cond[name] = None
-        elif dt in ("int64", "int32"):
-            cond[name] = torch.ones((b, *shape), dtype=getattr(torch, dt))
-        else:
-            cond[name] = torch.randn((b, *shape), generator=generator).to(getattr(torch, dt) if dt else dtype)
+    x, t, cond = _inputs(spec, dtype, torch.Generator().manual_seed(seed))
     step = _GuidedStep(model, family, 4.5 if spec.cfg else None)
 
     def run() -> None:

@@ -90,8 +90,11 @@ class GpuStatic:
         return sum(e.bytes for e in self.phases.get(phase, []))
 
     def peak(self) -> tuple[str, int]:
-        """The phase with the most static bytes, and that number."""
+        """The phase with the most bytes, and that number."""
         return max(((p, self.total(p)) for p in self.phases), key=lambda kv: kv[1], default=(TRAIN, 0))
+
+    def largest(self, phase: str, n: int = 3) -> list[Entry]:
+        return sorted(self.phases.get(phase, []), key=lambda e: -e.bytes)[:n]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -356,7 +359,7 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
     on the cluster the flags describe). `counts` ({checkpoint: counts}) skips the lookup (`memory.cache`)."""
     from miles.memory.cache import model_counts
     from miles.memory.config_dirs import config_dir_for
-    from miles.models.families import resolve_family
+    from miles.models.families import args_family
 
     args = resolved.args
     if plan is None:
@@ -367,14 +370,6 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
     phases = _job_phases(plan)
     notes: list[str] = []
     counts = dict(counts or {})
-
-    def family_of(role_args: Any) -> Any:
-        return resolve_family(
-            role_args.hf_checkpoint,
-            family=role_args.diffusion_model_family,
-            config_path=role_args.train_pipeline_config_path,
-            require_trainable=False,
-        )
 
     def counts_of(role_args: Any, family: Any) -> tuple[ModelCounts, Path]:
         from miles.models.pipeline_config import target_components
@@ -401,7 +396,7 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
             counts[checkpoint] = model_counts(config_dir, family, components, targets)
         return counts[checkpoint], config_dir
 
-    engine_family = family_of(args)
+    engine_family = args_family(args)
     engine_counts, engine_dir = counts_of(args, engine_family)
     if engine_counts.unresolved:
         notes.append(f"not counted (class not importable here): {', '.join(engine_counts.unresolved)}")
@@ -411,7 +406,7 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
     trainable: dict[str, int] = {}
     actor_denoiser: Denoiser | None = None
     for role, role_args in resolved.trainer_args.items():
-        family = family_of(role_args)
+        family = args_family(role_args)
         role_counts, role_dir = counts_of(role_args, family)
         denoiser, components = denoiser_of(role_counts, family, role_args)
         trainable[role] = denoiser.trainable(bool(role_args.use_lora))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.memory.config_dirs import config_hash, listed_components
+from miles.memory.counts import dtype_name
 from miles.utils.paths import file_lock, miles_home
 
 TRACES_FILE = "traces.json"
@@ -111,13 +112,6 @@ def read_configs(config_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 # ---- building the specs of a job ----------------------------------------------------------------------------------
-_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def dtype_torch_name(flag_value: str) -> str:
-    return _DTYPE_NAMES.get(str(flag_value), str(flag_value))
-
-
 def micro_batch_rows(args: Any) -> int:
     """Train pairs per DiT forward: `--micro-batch-size`, or the 2-D tile's product."""
     sample, tstep = getattr(args, "micro_batch_size_sample", None), getattr(args, "micro_batch_size_tstep", None)
@@ -178,7 +172,7 @@ def train_spec(role_args: Any, family: Any, configs: Mapping[str, Any], componen
         batch=micro_batch_rows(role_args),
         latent=latent,
         conditions=conditions,
-        forward_dtype=dtype_torch_name(role_args.diffusion_forward_dtype),
+        forward_dtype=dtype_name(role_args.diffusion_forward_dtype),
         cfg=bool(cfg and guided(family, role_args)),
         grad=True,
         gradient_checkpointing=bool(role_args.gradient_checkpointing),
@@ -197,7 +191,7 @@ def rollout_spec(args: Any, family: Any, configs: Mapping[str, Any], components:
         batch=max(1, int(getattr(args, "rollout_microgroup_size", 1) or 1)),
         latent=latent,
         conditions=conditions,
-        forward_dtype=dtype_torch_name(args.diffusion_forward_dtype),
+        forward_dtype=dtype_name(args.diffusion_forward_dtype),
         cfg=guided(family, args),
         grad=False,
         gradient_checkpointing=False,

@@ -207,3 +207,14 @@ def resolve_family(
     if require_trainable:
         config.check_trainable(selected_by, trainable_families())
     return config
+
+
+def args_family(args: Any, require_trainable: bool = False) -> TrainPipelineConfig:
+    """The model family a job's (or a trainer role's) args select: `--diffusion-model-family`, else
+    `--train-pipeline-config-path`, else the checkpoint (the resolution order above)."""
+    return resolve_family(
+        args.hf_checkpoint,
+        family=args.diffusion_model_family,
+        config_path=args.train_pipeline_config_path,
+        require_trainable=require_trainable,
+    )

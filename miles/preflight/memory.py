@@ -30,8 +30,5 @@ def check_gpu_memory(resolved: ResolvedJob) -> list[str]:
     if estimate.fits():
         return []
     recipe = f"--recipe {resolved.recipe.removeprefix('recipe ')} " if resolved.recipe else ""
-    return [
-        f"{refusal(estimate, [])}; `miles plan {recipe}...` with the same flags computes the changes that fit".replace(
-            "; no single change computed here brings it down (see `miles plan`'s breakdown)", ""
-        )
-    ]
+    hint = f"`miles plan {recipe}...` with the same flags computes the changes that fit"
+    return [f"{refusal(estimate, None)}; {hint}"]

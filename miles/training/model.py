@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from miles.models.checkpoints import ensure_checkpoint
-from miles.models.families import resolve_family
+from miles.models.families import args_family
 from miles.models.loading import DTYPE_NAMES, torch_dtype
 from miles.models.lora_sync import merge_lora_weight
 from miles.models.pipeline_config import TrainPipelineConfig
@@ -19,12 +19,7 @@ DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}
 
 
 def family_of(args: Any) -> TrainPipelineConfig:
-    family = resolve_family(
-        args.hf_checkpoint,
-        family=args.diffusion_model_family,
-        config_path=args.train_pipeline_config_path,
-        require_trainable=True,
-    )
+    family = args_family(args, require_trainable=True)
     family.bind_args(args)  # run settings the forward reads (e.g. --rollout-patch-group), as the engine does
     return family
 
@@ -82,10 +77,15 @@ def load_transformer(args: Any, family: TrainPipelineConfig, checkpoint: Any = N
             "not a torch.nn.Module"
         )
     if args.gradient_checkpointing:
-        for module in [model, *model.children()]:
-            if hasattr(module, "enable_gradient_checkpointing"):
-                module.enable_gradient_checkpointing()
+        enable_gradient_checkpointing(model)
     return model.train()
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """diffusers' gradient checkpointing on the denoiser, or on each of its experts (a composed module)."""
+    for module in [model, *model.children()]:
+        if hasattr(module, "enable_gradient_checkpointing"):
+            module.enable_gradient_checkpointing()
 
 
 def _submodules(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:

@@ -64,14 +64,9 @@ def server_requests(req: GenerateRequest) -> list[GenerateRequest]:
 
 def engine_family(args: Any) -> TrainPipelineConfig:
     """The model family of a job's checkpoint (`--diffusion-model-family`, else from the checkpoint name)."""
-    from miles.models.families import resolve_family
+    from miles.models.families import args_family
 
-    return resolve_family(
-        args.hf_checkpoint,
-        family=args.diffusion_model_family,
-        config_path=args.train_pipeline_config_path,
-        require_trainable=False,
-    )
+    return args_family(args)
 
 
 def _adapter(family: TrainPipelineConfig | None) -> TrainPipelineConfig:
