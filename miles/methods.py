@@ -3,9 +3,10 @@ model families. Torch-free (the config layer reads it before torch is loaded).
 
 Every reader of a loss type goes through it: the flag's choices (`miles.config.catalog.algorithm`), each job's
 allowed and auto loss types and the automatic `--ref-mode` (`miles.config.jobs`), the rule on which methods train on
-rollout pairs (`miles.config.rules.algorithm`), the trainer's dispatch of a window to its pairs and micro-step
-(`miles.training.trainer`), and the memory plan's traced step (`miles.memory.step`). A new method is one entry here
-plus its implementation, flags and tests.
+rollout pairs (`miles.config.rules.algorithm`), each method's own rules and flags (`miles.config.rules.methods`),
+DMD2's critic group (`miles.config.trainer_config`), the trainer's method object (`miles.training.methods`, loaded
+from `impl`), and the memory plan (`miles.memory.step`, `miles.memory.static`). A new method is one entry here plus
+its module under `miles/training/methods/`, its flags and its tests.
 """
 
 from __future__ import annotations
@@ -19,27 +20,34 @@ class Method:
 
     jobs: the jobs whose `--loss-type` accepts it (`dmd2_critic` is set by `train dmd2` for its critic group only).
     auto_for: the jobs where it is the default.
+    impl: its implementation, `module:Class` (a `miles.training.methods.base.TrainMethod`), built by the trainer.
     on_rollouts: it trains on rollout samples and their train pairs (so the pair hooks apply to it).
-    pairs / step: the trainer's expansion of a window into pairs and its micro-step ("flow_grpo", "nft", "custom";
-        None: the method trains through its own entry point, e.g. SFT's `train_sft`, DMD2's trainers).
     guided_forward: the trained forward runs the rollout's guided velocity (CFG pairs when the rollout used CFG).
     ref_mode: the automatic `--ref-mode` it wants (None: `lora_base` when `--diffusion-kl-beta` > 0, else `none`).
-    rules: its rule function in `miles.config.rules.methods.RULES_BY_NAME` (None: none of its own).
+    rules: the name of its rule function in `miles.config.rules.methods` (None: none of its own).
     own_flags: flags (dests) that only it reads: refused under any other method.
+    critic: the loss type of a second trainer group the method trains against (DMD2's fake score), or None.
+    frozen_teacher: its trainer also holds a frozen copy of its start point (without LoRA; the memory plan counts it).
+    renoises_samples: it re-noises the rollout's clean latents at fresh noise levels (a family whose rollout steps
+        part of its latent by ODE, like LTX-2's audio, cannot train it).
     """
 
     name: str
     summary: str
     jobs: tuple[str, ...]
+    impl: str
     auto_for: tuple[str, ...] = ()
     on_rollouts: bool = False
-    pairs: str | None = None
-    step: str | None = None
     guided_forward: bool = False
     ref_mode: str | None = None
     rules: str | None = None
     own_flags: tuple[str, ...] = ()
+    critic: str | None = None
+    frozen_teacher: bool = False
+    renoises_samples: bool = False
 
+
+_IMPL = "miles.training.methods."
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -48,40 +56,56 @@ METHODS: dict[str, Method] = {
             "policy_loss",
             "Flow-GRPO: the clipped policy-gradient ratio of SDE transitions, with an optional KL to a reference",
             jobs=("rl", "replay"),
+            impl=_IMPL + "flow_grpo:FlowGrpo",
             auto_for=("rl", "replay"),
             on_rollouts=True,
-            pairs="flow_grpo",
-            step="flow_grpo",
             guided_forward=True,
-            rules="policy_loss",
+            rules="check_policy_loss",
             own_flags=("diffusion_recompute_old_log_prob",),
         ),
         Method(
             "nft",
             "DiffusionNFT: forward-process fine-tuning of the velocity on positive and negative samples",
             jobs=("rl", "replay"),
+            impl=_IMPL + "nft:Nft",
             on_rollouts=True,
-            pairs="nft",
-            step="nft",
             ref_mode="ema",
-            rules="nft",
+            rules="check_nft",
+            renoises_samples=True,
         ),
-        Method("sft_loss", "flow matching on dataset images", jobs=("sft",), auto_for=("sft",)),
+        Method(
+            "sft_loss",
+            "flow matching on dataset images",
+            jobs=("sft",),
+            impl=_IMPL + "sft:SftLoss",
+            auto_for=("sft",),
+        ),
         Method(
             "custom_loss",
             "your loss formula (--custom-loss-function-path) on miles' forward",
             jobs=("rl", "sft", "replay"),
+            impl=_IMPL + "custom:CustomLoss",
             on_rollouts=True,
-            pairs="flow_grpo",
-            step="custom",
             guided_forward=True,
-            rules="custom_loss",
+            rules="check_custom_loss",
             own_flags=("custom_loss_function_path", "custom_prepare_train_batch_path"),
         ),
         Method(
-            "dmd2", "DMD2's few-step student (distribution matching, optional GAN)", jobs=("dmd2",), auto_for=("dmd2",)
+            "dmd2",
+            "DMD2's few-step student (distribution matching, optional GAN)",
+            jobs=("dmd2",),
+            impl=_IMPL + "dmd2:Dmd2Generator",
+            auto_for=("dmd2",),
+            critic="dmd2_critic",
+            renoises_samples=True,
         ),
-        Method("dmd2_critic", "DMD2's critic: denoising score matching of the student's samples", jobs=()),
+        Method(
+            "dmd2_critic",
+            "DMD2's critic: denoising score matching of the student's samples",
+            jobs=(),
+            impl=_IMPL + "dmd2:Dmd2Critic",
+            frozen_teacher=True,
+        ),
     )
 }
 LOSS_TYPES: tuple[str, ...] = tuple(METHODS)

@@ -1,6 +1,6 @@
 """The method table (`miles.methods`) is the one list of loss types: the flag's choices, each job's allowed and
-auto loss types, the rollout-pair rule, the automatic --ref-mode, the trainer's dispatch and the memory plan's
-traced forward all read it."""
+auto loss types, the rollout-pair rule, the automatic --ref-mode, DMD2's critic group, the trainer's method object
+and the memory plan all read it."""
 
 from __future__ import annotations
 
@@ -30,13 +30,29 @@ def test_each_method_resolves_as_its_entry_says() -> None:
     assert grpo.loss_type == "policy_loss" and grpo.ref_mode == "none"
 
 
-def test_the_trainer_has_a_step_for_every_method_that_trains_on_rollouts() -> None:
-    from miles.training.trainer import Trainer
+def test_every_method_names_a_train_method_with_the_entry_points_its_jobs_call() -> None:
+    """The trainer builds `impl` (miles.training.methods): rollout methods give pairs and a micro-step, the methods
+    of `train sft` a dataset loss (flow matching's by default), DMD2's a `train` of their own."""
+    from miles.training.methods.base import RolloutMethod, TrainMethod
+    from miles.utils.hooks import load_class
 
     for m in METHODS.values():
+        cls = load_class(m.impl, "--loss-type")
+        assert issubclass(cls, TrainMethod), m.name
+        assert issubclass(cls, RolloutMethod) == m.on_rollouts, m.name
         if m.on_rollouts:
-            assert m.step is not None and m.pairs is not None, m.name
-            assert callable(getattr(Trainer, f"_{m.step}_micro")), m.name
+            assert cls.pairs is not RolloutMethod.pairs and cls.micro is not RolloutMethod.micro, m.name
+        if not m.on_rollouts and "sft" not in m.jobs:
+            assert cls.train is not TrainMethod.train, m.name
+    assert METHODS["dmd2"].critic == "dmd2_critic" and METHODS["dmd2_critic"].frozen_teacher
+    assert load_class(METHODS["custom_loss"].impl, "").data_loss is not TrainMethod.data_loss
+
+
+def test_every_rules_name_is_a_rule_function() -> None:
+    from miles.config.rules.methods import RULE_FUNCTIONS
+
+    named = {m.rules for m in METHODS.values() if m.rules is not None}
+    assert named and named <= set(RULE_FUNCTIONS)
 
 
 def test_a_methods_own_flags_are_refused_under_another_method() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from miles.config.args import Args, override_source
 from miles.config.errors import ConfigError
 from miles.config.flags import closest
+from miles.methods import METHODS
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,10 @@ class TrainerConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def critic_defaults(args: Args) -> dict[str, Any]:
-    """What the DMD2 critic always differs in: it is a fake score initialised from the teacher."""
+def critic_defaults(args: Args, critic_loss: str) -> dict[str, Any]:
+    """What the critic group (DMD2's) always differs in: it is a fake score initialised from the teacher."""
     overrides: dict[str, Any] = {
-        "loss_type": "dmd2_critic",
+        "loss_type": critic_loss,
         "hf_checkpoint": args.teacher_checkpoint or args.hf_checkpoint,
         "ref_mode": "none",
         "use_ema": False,
@@ -44,12 +45,14 @@ def critic_defaults(args: Args) -> dict[str, Any]:
 def compute_trainer_configs(args: Args) -> list[TrainerConfig]:
     """The run's trainers, in run order."""
     actor = TrainerConfig("actor", {})
-    if args.job != "dmd2":
+    known = METHODS.get(args.loss_type)  # the method table (miles.methods): DMD2 trains against a critic group
+    critic_loss = known.critic if known is not None and args.job in known.jobs else None
+    if critic_loss is None:
         return [actor]
-    overrides = critic_defaults(args)
+    overrides = critic_defaults(args, critic_loss)
     overrides.update(copy.deepcopy(args.trainer_overrides.get("critic", {})))
-    if overrides["loss_type"] != "dmd2_critic":
-        raise ConfigError(f"trainers.critic.loss_type must be dmd2_critic, got {overrides['loss_type']!r}")
+    if overrides["loss_type"] != critic_loss:
+        raise ConfigError(f"trainers.critic.loss_type must be {critic_loss}, got {overrides['loss_type']!r}")
     # Keep only what really differs, so the printed table shows the critic's own values.
     overrides = {k: v for k, v in overrides.items() if getattr(args, k) != v}
     return [TrainerConfig("critic", overrides), actor]

@@ -47,6 +47,7 @@ from miles.memory.counts import (
     TensorGroup,
     dtype_name,
 )
+from miles.methods import METHODS
 
 TRAIN, SYNC, ROLLOUT = "train", "sync", "rollout"
 PHASES = (TRAIN, SYNC, ROLLOUT)
@@ -289,7 +290,8 @@ def trainer_slot(
             slot.add([TRAIN], "ema/swap_backup", gpu(trainable), where)
         if args.ema_rollout_policy == "ema" and SYNC in phases:
             slot.add([SYNC], "ema/swap_backup", gpu(trainable), where)
-    if args.loss_type == "dmd2_critic" and not lora:
+    known = METHODS.get(str(args.loss_type))  # the method table (miles.methods)
+    if known is not None and known.frozen_teacher and not lora:
         teacher = gpu(denoiser.sharded_bytes(shards, "base")) + denoiser.sharded_bytes(shards, "buffers")
         slot.add(phases, "teacher", teacher, "exact: not moved by --offload-train")
         gan = float(getattr(args, "dmd2_gan_loss_weight", 0) or 0)

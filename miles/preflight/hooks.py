@@ -8,7 +8,8 @@ problem line, and an import that has not finished after `IMPORT_DEADLINE_S` is o
 A path inside miles itself is checked without importing it (its module exists and defines the name as a function
 or class, read from the source), so the shipped recipes stay torch-free; a name the source binds to a literal is
 refused from the source, one bound to another expression is imported. The calls below are the documented ones
-(miles.rollout.rollout_hooks, miles.training.custom_hooks, miles.rollout.filter_hub, ...).
+(miles.rollout.rollout_hooks, miles.training.custom_hooks, miles.training.methods.custom, miles.rollout.filter_hub,
+...).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ GPUs (the placement plan gives each half of the trainer share), run in order eve
         k = stop_step(seed, it)                                   # backward simulation, same on every rank
         batch = manager.generate_dmd2(it, k)                      # the student's inputs x_{t_k} and its x0
         gen = is_generator_step(it, --dmd2-critic-update-ratio)  # TTUR: the critic steps every iteration
-        critic_metrics, external = critic.train_dmd2_critic(it, batch, gen)   # scores first, then its step
+        critic_metrics, external = critic.train(it, batch, gen)   # scores first, then its step
         if gen:
-            actor.train_dmd2(it, batch, external_data=external)  # the distribution-matching step
+            actor.train(it, batch, external)                 # the distribution-matching step
             manager.update_weights(actor weights)                 # sync the student to the engines
 
 At the end (with eval data): the student's n-step samples and the teacher's at 20 and n steps on the
@@ -133,13 +133,13 @@ def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int, pha
     samples = ray.put(batch.samples)
     gen = is_generator_step(it, int(args.dmd2_critic_update_ratio))
     phases.to_train()
-    results = critic.call("train_dmd2_critic", it, samples, gen)
+    results = critic.call("train", it, samples, gen)
     metrics.update(critic_metrics(results[0][0]))
     if gen:
         external: dict[int, Any] = {}
         for _, part in results:
             external.update(part or {})
-        metrics.update(train_metrics(actor.call("train_dmd2", it, samples, ray.put(external))[0]))
+        metrics.update(train_metrics(actor.call("train", it, samples, ray.put(external))[0]))
     phases.to_sync()
     if gen and not args.debug_skip_optimizer_step:
         t1 = time.perf_counter()

@@ -39,6 +39,17 @@ def expand_flow_grpo(samples: Sequence[Sample]) -> list[Pair]:
     return pairs
 
 
+def transition_problem(pair: Pair) -> str:
+    """Why `pair` is not one of its sample's recorded SDE transitions ('' when it is)."""
+    trajectory = pair.sample.trajectory
+    if trajectory is None:
+        return "its sample has no trajectory"
+    recorded = list(trajectory.sde_step_indices)
+    if not 0 <= pair.slot < len(recorded) or recorded[pair.slot] != pair.step:
+        return f"step {pair.step} / slot {pair.slot} is not a recorded SDE transition (recorded: {recorded})"
+    return ""
+
+
 def windows(samples: Sequence[Sample], args: Any) -> list[list[Sample]]:
     """`num_steps_per_rollout` optimizer windows of `global_batch_size` samples, in order."""
     gbs = int(args.global_batch_size or len(samples))

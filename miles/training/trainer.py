@@ -1,29 +1,25 @@
 """The trainer: one rank of a trainer group. It never knows its role: a role is only its args.
 
 It loads the family's DiT from `--hf-checkpoint`, adds LoRA when asked, shards it with FSDP2 (gloo
-on CPU, nccl on GPU), and trains it with the loss `--loss-type` names, recomputing Flow-GRPO
-log-probs with the same `sde_step` the engine used.
+on CPU, nccl on GPU), and trains it with the method `--loss-type` names: the method table's
+`impl` (`miles.methods`), a `miles.training.methods.base.TrainMethod` built once here, which gives
+the pairs and the loss; the trainer keeps the velocity, the reference, the optimizer step, weights
+out, checkpoints and offload.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from miles.algorithms.nft import nft_corrupt, nft_loss, nft_timesteps
-from miles.algorithms.policy_loss import policy_loss
-from miles.algorithms.sft_loss import noisy_latents, sample_sigmas, sft_loss
 from miles.config.errors import ConfigError
-from miles.methods import method
-from miles.rollout.sde_backends import backend_step
 from miles.rollout.types import Sample
-from miles.training.custom_hooks import TrainHooks
+from miles.training.methods import build_method
 from miles.training.model import (
     DTYPES,
     adapters_off,
@@ -34,11 +30,10 @@ from miles.training.model import (
     merged_base_state_dict,
     parallelize_attention,
     shard,
-    target_components,
 )
-from miles.training.pairs import Pair, dp_shard, expand_flow_grpo, flow_grpo_batch, micro_batches, stack_conditions
+from miles.training.pairs import Pair, dp_shard, micro_batches, stack_conditions
 from miles.training.parallel import build_layout, process_group_backend, timeout_of
-from miles.training.step_metrics import all_reduce_mean, is_max, model_output_diffs
+from miles.training.step_metrics import all_reduce_mean, is_max
 
 
 def init_distributed(args: Any, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -93,7 +88,7 @@ class Trainer:
             self.scaler = ShardedGradScaler()
         self.global_step = 0
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.dp_rank)  # same noise in an SP group
-        self.hooks = TrainHooks(args)
+        self.method = build_method(self)  # --loss-type's TrainMethod (miles.training.methods)
         self._offloader: Any = None  # --offload-train (miles.utils.offload), made on first use
         self._in_place_sync: Any = None  # --colocate weight sync (miles.training.in_place_sync)
 
@@ -142,37 +137,19 @@ class Trainer:
         else:
             raise RuntimeError(f"no reference model under --ref-mode {mode}")
 
-    # ---- training --------------------------------------------------------------------------
-    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
-        """One rollout's optimizer steps; returns the mean metrics (names without the train/ prefix)."""
-        start = time.perf_counter()
-        if torch.cuda.is_available():  # the memory plan's check on a GPU (bench/gpu_acceptance.sh)
-            torch.cuda.reset_peak_memory_stats()
-        loss_type = self.args.loss_type
-        step = method(loss_type).step  # the method table (miles.methods)
-        if step is None:
-            raise NotImplementedError(f"--loss-type {loss_type} is not trained on rollouts")
-        micro = {"flow_grpo": self._flow_grpo_micro, "nft": self._nft_micro, "custom": self._custom_micro}
-        totals: dict[str, list[float]] = {}
-        first_diff = None
-        for pairs in self.hooks.train_data(samples, self._expand):
-            metrics = self._step(pairs, micro[step])
-            if first_diff is None:
-                first_diff = metrics.get("log_prob_mean_abs_diff")
-            for k, v in metrics.items():
-                totals.setdefault(k, []).append(v)
-        out = {k: max(v) if is_max(k) else sum(v) / len(v) for k, v in totals.items()}
-        if first_diff is not None:
-            # the engine-trainer difference alone: measured before this rollout's first update, whereas
-            # log_prob_mean_abs_diff averages all optimizer steps and so includes the policy's own drift
-            out["log_prob_abs_diff_first_step"] = first_diff
-        out["train_time"] = time.perf_counter() - start
-        if torch.cuda.is_available():
-            out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        return out
+    # ---- training: the method's entry points ---------------------------------------------------
+    def train(self, rollout_id: int, samples: list[Sample], *extra: Any) -> Any:
+        """One rollout's training by the method (`extra`: what a method takes besides the samples, e.g. DMD2's
+        critic scores); a rollout method returns the mean metrics (names without the train/ prefix)."""
+        return self.method.train(rollout_id, samples, *extra)
 
-    def _step(self, pairs: list[Pair], micro_fn) -> dict[str, float]:
-        """Gradient accumulation over this rank's share of one window, then one optimizer step."""
+    def train_sft(self, x0: torch.Tensor, conditions: list[Sample]) -> dict[str, float]:
+        """One optimizer step on clean dataset latents `x0` with their samples' conditions."""
+        return self.method.train_sft(x0, conditions)
+
+    def step(self, pairs: list[Pair], micro_fn) -> dict[str, float]:
+        """Gradient accumulation of `micro_fn(batch) -> (loss, metrics)` over this rank's share of one window's
+        pairs, then one optimizer step (clipping, the schedule, EMA); the metrics averaged over the ranks."""
         from miles.training.optim import clip_grad_norm
 
         mine = dp_shard(pairs, self.dp_rank, self.dp_size, self.args.train_dp_split_mode)
@@ -205,155 +182,6 @@ class Trainer:
                 self.ema.update(self._trainable_named(), module=self.model)
         sums["lr"] = float(self.scheduler.get_lr())
         return all_reduce_mean(sums, self.world_size)
-
-    def _expand(self, window: list[Sample]) -> list[Pair]:
-        """The built-in expansion of one window: NFT's trained sigmas, else every recorded SDE transition."""
-        return self._expand_nft(window) if method(self.args.loss_type).pairs == "nft" else expand_flow_grpo(window)
-
-    def _custom_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
-        return self.hooks.custom_micro(self, batch)
-
-    def _flow_grpo_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
-        samples = [p.sample for p in batch]
-        b = flow_grpo_batch(batch)
-        x, x_next, ts, old, adv = b["latents"], b["next_latents"], b["timesteps"], b["old_log_probs"], b["advantages"]
-        sig, sig_next, sig_max = b["sigmas"], b["next_sigmas"], b["sigma_max"]
-        cfg, sde_type, noise = b["guidance_scale"], b["sde_type"], b["noise_level"]
-        sde_mask = self.family.sde_mask(tuple(x.shape[1:]))  # the engine's (e.g. LTX-2's audio by ODE)
-        step_extra = {} if sde_mask is None else {"mask": sde_mask}
-
-        def step_of(v: torch.Tensor):
-            return backend_step(  # the engine's kernel: --sde-step-backend-path, --diffusion-log-prob-no-const
-                self.args,
-                v,
-                x,
-                sig,
-                sig_next,
-                sde_type=sde_type,
-                noise_level=noise,
-                sigma_max=sig_max,
-                prev_sample=x_next,
-                **step_extra,
-            )
-
-        def scored(mean: torch.Tensor) -> torch.Tensor:  # the KL over the stochastic elements only
-            return mean if sde_mask is None else mean.flatten(1)[:, sde_mask.to(mean.device).flatten()]
-
-        # The reference forward runs first: swapping weights (EMA) must not happen under a live graph.
-        mean_ref = None
-        kl_beta = self.args.diffusion_kl_beta
-        if kl_beta > 0:
-            with torch.no_grad(), self.reference():
-                mean_ref = scored(step_of(self.velocity(x, ts, samples, cfg)).mean)
-        v = self.velocity(x, ts, samples, cfg)
-        res = step_of(v)
-        if self.args.diffusion_recompute_old_log_prob:
-            old = res.log_prob.detach()
-        loss, metrics = policy_loss(
-            res.log_prob,
-            old,
-            adv,
-            clip_range=self.args.diffusion_clip_range,
-            adv_clip_max=self.args.diffusion_adv_clip_max,
-            kl_beta=kl_beta,
-            mean_new=scored(res.mean),
-            mean_ref=mean_ref,
-            std_dev_t=res.std_dev_t,
-        )
-        metrics.update(model_output_diffs(v, batch))
-        return loss, metrics
-
-    def _expand_nft(self, samples: list[Sample]) -> list[Pair]:
-        pairs = []
-        sigma_range = self.family.trainable_sigma_range(target_components(self.args))
-        for sample in samples:
-            if sample.remove_sample or sample.trajectory is None:
-                continue
-            sigmas = nft_timesteps(
-                sample.trajectory.sigmas,
-                self.args.diffusion_nft_timestep_fraction,
-                shuffle=not self.args.no_diffusion_nft_shuffle_timesteps,
-                generator=self.generator,
-            )
-            kept = [(i, float(s)) for i, s in enumerate(sigmas.reshape(-1).tolist())]
-            if sigma_range is not None:  # only some experts train: the noise levels they denoise
-                kept = [(i, s) for i, s in kept if sigma_range[0] <= s < sigma_range[1] or s == sigma_range[1] == 1.0]
-            pairs.extend(Pair(sample, i, -1, s) for i, s in kept)
-        return pairs
-
-    def _nft_micro(self, batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
-        samples = [p.sample for p in batch]
-        x0 = torch.stack([s.trajectory.latents[-1] for s in samples]).float()  # type: ignore[union-attr]
-        t = torch.tensor([p.sigma for p in batch], dtype=torch.float32)
-        noise = torch.randn(x0.shape, generator=self.generator)
-        x_t = nft_corrupt(x0, t, noise)
-        timesteps = t * 1000.0
-        with torch.no_grad(), self.reference():  # before the trained forward: see _flow_grpo_micro
-            v_old = self.velocity(x_t, timesteps, samples, None)
-        kl_beta = self.args.diffusion_kl_beta
-        v_ref = None
-        if kl_beta > 0:  # DiffusionNFT's KL reference: the LoRA base (adapters off; the config rules need --use-lora)
-            with torch.no_grad(), adapters_off(self.model):
-                v_ref = self.velocity(x_t, timesteps, samples, None)
-        v_new = self.velocity(x_t, timesteps, samples, None)
-        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-        return nft_loss(
-            x0,
-            x_t,
-            t,
-            v_new,
-            v_old,
-            adv,
-            beta=self.args.diffusion_nft_beta,
-            adv_clip_max=self.args.diffusion_adv_clip_max,
-            adaptive_weight=not self.args.no_diffusion_nft_adaptive_weight,
-            v_ref=v_ref,
-            kl_beta=kl_beta,
-        )
-
-    def train_sft(self, x0: torch.Tensor, conditions: list[Sample]) -> dict[str, float]:
-        """One optimizer step of flow matching on clean latents `x0` with their samples' conditions."""
-        start = time.perf_counter()
-        pairs = [Pair(s, 0, i) for i, s in enumerate(conditions)]
-        sigma_range = self.family.trainable_sigma_range(target_components(self.args))
-        data_mask = self.family.data_mask(tuple(x0.shape[1:]))
-
-        def micro(batch: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
-            idx = [p.slot for p in batch]
-            clean = x0[idx].float()
-            sigma = sample_sigmas(len(batch), self.generator, shift=self.args.fsdp_flow_shift)
-            if sigma_range is not None:  # only some experts train: their noise levels only
-                sigma = sigma_range[0] + (sigma_range[1] - sigma_range[0]) * sigma
-            noise = torch.randn(clean.shape, generator=self.generator)
-            x_t = noisy_latents(clean, noise, sigma)
-            if self.hooks.loss is not None:  # --loss-type custom_loss
-                inputs = {"latents": x_t, "timesteps": sigma * 1000.0, "sigmas": sigma, "clean_latents": clean}
-                inputs |= {"noise": noise, "guidance_scale": None, "data_mask": data_mask}
-                return self.hooks.custom_micro(self, batch, inputs)
-            v = self.velocity(x_t, sigma * 1000.0, [p.sample for p in batch], None)
-            # data_mask: only these elements carry data (e.g. LTX-2's video, not its audio)
-            return sft_loss(v, clean, noise, sigma, mask=data_mask)
-
-        metrics = self._step(pairs, micro)
-        metrics["train_time"] = time.perf_counter() - start
-        return metrics
-
-    # ---- DMD2 (miles.training.dmd2_trainer): the critic group's iteration and the student's step ----
-    def train_dmd2_critic(
-        self, rollout_id: int, samples: list[Sample], with_external: bool
-    ) -> tuple[dict[str, float], dict[int, dict[str, torch.Tensor]] | None]:
-        """The critic group (--loss-type dmd2_critic): external data first when asked, then one critic step."""
-        from miles.training.dmd2_trainer import critic_iteration
-
-        return critic_iteration(self, rollout_id, samples, with_external)
-
-    def train_dmd2(
-        self, rollout_id: int, samples: list[Sample], external_data: dict[int, dict[str, torch.Tensor]]
-    ) -> dict[str, float]:
-        """The student (--loss-type dmd2): one step against the critic group's `external_data`."""
-        from miles.training.dmd2_trainer import generator_step
-
-        return generator_step(self, rollout_id, samples, external_data)
 
     # ---- weights out -----------------------------------------------------------------------
     def _served(self) -> contextlib.AbstractContextManager[Any]:

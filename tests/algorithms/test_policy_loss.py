@@ -8,12 +8,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from miles.algorithms import LOSS_NAMES, get_loss
-from miles.algorithms.dmd2 import dmd2_critic_loss, dmd2_generator_loss
-from miles.algorithms.nft import nft_loss
 from miles.algorithms.policy_loss import clamp_advantages, flow_grpo_kl, policy_loss
-from miles.algorithms.sft_loss import sft_loss
-from miles.config.catalog.algorithm import LOSS_TYPES
 from miles.rollout.sde import sd3_sigmas, sde_step
 
 EPS = 1e-4
@@ -214,19 +209,3 @@ def test_invalid_clip_range():
     z = torch.zeros(1)
     with pytest.raises(ValueError, match="clip-range"):
         policy_loss(z, z, z, clip_range=0.0)
-
-
-# --- the --loss-type registry --------------------------------------------------------------------
-
-
-def test_registry_matches_the_loss_type_flag():
-    assert set(LOSS_NAMES) == set(LOSS_TYPES) - {"custom_loss"}
-    assert get_loss("policy_loss") is policy_loss
-    assert get_loss("nft") is nft_loss
-    assert get_loss("sft_loss") is sft_loss
-    assert get_loss("dmd2") is dmd2_generator_loss
-    assert get_loss("dmd2_critic") is dmd2_critic_loss
-    with pytest.raises(ValueError, match="policy_loss, nft, sft_loss, dmd2, dmd2_critic"):
-        get_loss("grpo")
-    with pytest.raises(ValueError, match="--custom-loss-function-path"):
-        get_loss("custom_loss")

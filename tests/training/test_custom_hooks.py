@@ -15,6 +15,7 @@ from trainer_helpers import free_port, trainer_args
 
 from miles.config.resolve import resolve
 from miles.training.custom_hooks import HookError
+from miles.training.methods.flow_grpo import FlowGrpo
 from miles.training.pairs import expand_flow_grpo, micro_batches
 from miles.training.trainer import Trainer
 
@@ -47,10 +48,10 @@ def test_custom_loss_reproducing_policy_loss_gives_the_builtin_loss_and_grads(ti
     assert metrics["grad_norm"] > 0 and metrics["clipfrac"] >= 0.0
 
     micro = micro_batches(expand_flow_grpo(batch.samples), trainer.args)[0]
-    builtin_loss, builtin_metrics = trainer._flow_grpo_micro(micro)
+    builtin_loss, builtin_metrics = FlowGrpo(trainer).micro(micro)
     builtin_loss.backward()
     builtin_grads = _grads(trainer)
-    custom_loss, custom_metrics = trainer._custom_micro(micro)
+    custom_loss, custom_metrics = trainer.method.micro(micro)
     custom_loss.backward()
     custom_grads = _grads(trainer)
 
@@ -67,8 +68,8 @@ def test_expand_hook_keeping_one_step_per_sample_halves_the_pairs(
     _, batch = rollout
     trainer = _trainer(tiny_sd3_dir, custom_expand_samples_to_train_pairs_path=H + "first_sde_step_only", lr=1e-3)
     steps = []
-    step = trainer._step
-    monkeypatch.setattr(trainer, "_step", lambda pairs, micro: steps.append(pairs) or step(pairs, micro))
+    step = trainer.step
+    monkeypatch.setattr(trainer, "step", lambda pairs, micro: steps.append(pairs) or step(pairs, micro))
     metrics = trainer.train(0, batch.samples)
     assert len(expand_flow_grpo(batch.samples)) == 16  # the built-in: 8 samples x 2 SDE steps
     assert [len(pairs) for pairs in steps] == [8]

@@ -18,7 +18,7 @@ from miles.config.resolve import resolve
 from miles.rollout.dmd2_manager import Dmd2RolloutManager
 from miles.rollout.dmd2_sampler import stop_step
 from miles.runtime.train_dmd2 import check_gan_data, generator_iterations
-from miles.training.dmd2_trainer import critic_state, generator_inputs, model_velocity, score_samples
+from miles.training.methods.dmd2 import critic_state, generator_inputs, model_velocity, score_samples
 from miles.training.model import full_state_dict
 from miles.training.trainer import Trainer
 
@@ -71,7 +71,7 @@ def test_critic_equal_to_the_teacher_at_guidance_1_gives_a_zero_dm_gradient(job)
     for row in external.values():
         assert torch.equal(row["x0_real"], row["x0_fake"])
     before = _weights(actor.model)
-    metrics = actor.train_dmd2(0, samples, external)
+    metrics = actor.train(0, samples, external)
     assert metrics["dm_loss"] == 0.0 and metrics["dm_grad_abs_mean"] == 0.0 and metrics["grad_norm"] == 0.0
     after = _weights(actor.model)
     assert max((after[k] - before[k]).abs().max().item() for k in before) <= 1e-3 * 1e-4  # weight decay only
@@ -92,7 +92,7 @@ def test_external_data_is_scored_with_the_pre_update_critic_and_the_cfg_teacher(
         v_real_c = model_velocity(critic, state.teacher, x_t, sigma * 1000, samples, 1.0)
     teacher, student, start = _weights(state.teacher), _weights(actor.model), _weights(critic.model)
 
-    metrics, external = critic.train_dmd2_critic(1, samples, True)
+    metrics, external = critic.train(1, samples, True)
 
     assert set(external) == {s.index for s in samples}
     got_sigma = torch.stack([external[s.index]["sigma"] for s in samples])
@@ -113,10 +113,10 @@ def test_external_data_is_scored_with_the_pre_update_critic_and_the_cfg_teacher(
 def test_student_step_recomputes_the_engine_x0_and_moves_only_the_student(job) -> None:
     manager, critic, actor = job
     samples = manager.generate_dmd2(2, 3).samples
-    _, external = critic.train_dmd2_critic(2, samples, True)
+    _, external = critic.train(2, samples, True)
     critic_weights, teacher = _weights(critic.model), _weights(critic_state(critic).teacher)
     student = _weights(actor.model)
-    metrics = actor.train_dmd2(2, samples, external)
+    metrics = actor.train(2, samples, external)
     assert metrics["x0_gen_mean_abs_diff"] <= 1e-5  # the trainer's recompute matches the engine
     assert metrics["grad_norm"] > 0 and metrics["stop_timestep"] == 249.0 and metrics["dm_norm_mean"] > 0
     assert not _same(_weights(actor.model), student)
@@ -127,7 +127,7 @@ def test_student_step_recomputes_the_engine_x0_and_moves_only_the_student(job) -
     engine = manager.engine_state_dict()
     assert max((engine[k] - weights[k]).abs().max().item() for k in weights) == 0.0
     with pytest.raises(ValueError, match="no external data"):
-        actor.train_dmd2(2, samples, {})
+        actor.train(2, samples, {})
 
 
 def test_ttur_ratio_5_steps_the_critic_20_times_and_the_student_at_0_5_10_15(job) -> None:
@@ -138,10 +138,10 @@ def test_ttur_ratio_5_steps_the_critic_20_times_and_the_student_at_0_5_10_15(job
     for it in range(20):
         samples = manager.generate_dmd2(it, stop_step(0, it, 4)).samples
         gen = is_generator_step(it, 5)
-        _, external = critic.train_dmd2_critic(it, samples, gen)
+        _, external = critic.train(it, samples, gen)
         assert (external is not None) == gen
         if gen:
-            actor.train_dmd2(it, samples, external)
+            actor.train(it, samples, external)
             student_steps.append(it)
     assert critic.global_step - critic_start == 20 and actor.global_step - actor_start == 4
     assert student_steps == [0, 5, 10, 15]
@@ -185,11 +185,11 @@ def test_gan_head_steps_with_the_critic_and_its_generator_gradient_leaves_no_par
     assert all(p.grad is None for p in state.head.parameters())
 
     head = {k: v.clone() for k, v in state.head.state_dict().items()}
-    metrics, external = critic.train_dmd2_critic(0, samples, True)
+    metrics, external = critic.train(0, samples, True)
     assert 0.0 <= metrics["gan_d_accuracy"] <= 1.0 and metrics["gan_d_loss"] > 0 and metrics["gan_head_grad_norm"] > 0
     assert any(not torch.equal(head[k], v) for k, v in state.head.state_dict().items())
     student = _weights(actor.model)
-    out = actor.train_dmd2(0, samples, external)
+    out = actor.train(0, samples, external)
     assert out["gan_g_loss"] > 0 and out["loss"] == pytest.approx(out["dm_loss"] + 0.05 * out["gan_g_loss"])
     assert not _same(_weights(actor.model), student)
 
@@ -202,8 +202,8 @@ def test_a_lora_critic_scores_with_its_base_as_the_teacher_and_keeps_training(jo
     samples = manager.generate_dmd2(0, 1).samples
     lora = {n: p.detach().clone() for n, p in critic.model.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)
-    first, external = critic.train_dmd2_critic(0, samples, True)
-    second, _ = critic.train_dmd2_critic(1, samples, False)  # no teacher pass in between
+    first, external = critic.train(0, samples, True)
+    second, _ = critic.train(1, samples, False)  # no teacher pass in between
     assert first["grad_norm"] > 0 and second["grad_norm"] > 0
     assert all(p.requires_grad for n, p in critic.model.named_parameters() if n in lora)
     assert any(not torch.equal(p.detach(), lora[n]) for n, p in critic.model.named_parameters() if n in lora)

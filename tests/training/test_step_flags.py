@@ -1,4 +1,4 @@
-"""One optimizer step of the trainer (`Trainer._step`) and the flags it reads: --clip-grad, --train-dp-split-mode,
+"""One optimizer step of the trainer (`Trainer.step`) and the flags it reads: --clip-grad, --train-dp-split-mode,
 --micro-batch-size and the 2D micro-batch tile with --diffusion-train-iter-order.
 
 Fast: the step runs on a trainer shell around one plain parameter (SGD, lr 1, so the update is the clipped
@@ -38,7 +38,7 @@ def base_args() -> Any:
 
 
 def shell(args: Any, dp_rank: int = 0, dp_size: int = 1) -> Trainer:
-    """A trainer with only what `_step` uses: one parameter of 4 zeros, SGD at lr 1."""
+    """A trainer with only what `step` uses: one parameter of 4 zeros, SGD at lr 1."""
     trainer = Trainer.__new__(Trainer)
     trainer.args, trainer.dp_rank, trainer.dp_size, trainer.world_size = args, dp_rank, dp_size, 1
     trainer.params = [torch.nn.Parameter(torch.zeros(4))]
@@ -68,7 +68,7 @@ def recording(trainer: Trainer, gradient: torch.Tensor | None = None):
 def test_clip_grad_caps_the_gradient_norm_of_a_step(base_args: Any, clip: float, norm_after: float) -> None:
     trainer = shell(base_args.with_values({"clip_grad": clip}, "cli"))
     micro, _ = recording(trainer, torch.tensor([30.0, 40.0, 0.0, 0.0]))  # a gradient of norm 50
-    metrics = trainer._step(pairs(1, 1), micro)
+    metrics = trainer.step(pairs(1, 1), micro)
     assert metrics["grad_norm"] == pytest.approx(50.0)  # reported before clipping
     update = trainer.params[0].detach()
     assert update.norm().item() == pytest.approx(norm_after)
@@ -81,14 +81,14 @@ def test_train_dp_split_mode_deals_the_pairs_to_the_ranks(base_args: Any, mode: 
     trainer = shell(base_args.with_values({"train_dp_split_mode": mode, "micro_batch_size": 8}, "cli"), 1, 2)
     micro, seen = recording(trainer)
     window = pairs(6, 1)
-    trainer._step(window, micro)
+    trainer.step(window, micro)
     assert [[window.index(p) for p in batch] for batch in seen] == [expected]  # rank 1 of 2
 
 
 def test_micro_batch_size_cuts_a_ranks_pairs(base_args: Any) -> None:
     trainer = shell(base_args.with_values({"micro_batch_size": 3}, "cli"))
     micro, seen = recording(trainer)
-    trainer._step(pairs(7, 1), micro)
+    trainer.step(pairs(7, 1), micro)
     assert [len(batch) for batch in seen] == [3, 3, 1]
 
 
@@ -103,7 +103,7 @@ def test_2d_tiles_follow_the_tile_and_the_iter_order(base_args: Any, order: str,
     tile = {"micro_batch_size_sample": 2, "micro_batch_size_tstep": 3, "diffusion_train_iter_order": order}
     trainer = shell(base_args.with_values(tile, "cli"))
     micro, seen = recording(trainer)
-    trainer._step(pairs(3, 4), micro)  # 3 samples x 4 recorded steps, listed sample-major
+    trainer.step(pairs(3, 4), micro)  # 3 samples x 4 recorded steps, listed sample-major
     tiles = [
         (
             "".join(str(i) for i in sorted({p.sample.index for p in batch})),

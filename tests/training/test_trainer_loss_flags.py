@@ -14,7 +14,7 @@ from trainer_helpers import free_port, trainer_args
 from miles.algorithms.sft_loss import sample_sigmas
 from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
-from miles.training import trainer as trainer_module
+from miles.training import flow_matching
 from miles.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -66,14 +66,14 @@ def test_nft_timestep_fraction_and_shuffle_choose_the_trained_sigmas(nft_trainer
     schedule = [float(s) for s in samples[0].trajectory.sigmas if s > 0]  # 4 steps
     try:
         nft_trainer.args = base.with_values({"diffusion_nft_timestep_fraction": 0.5}, "cli")
-        half = nft_trainer._expand(samples)
+        half = nft_trainer.method.pairs(samples)
         assert len(half) == 2 * 2  # int(4 x 0.5) sigmas per sample
         assert all(p.sigma in schedule for p in half)
         nft_trainer.args = base.with_values({"no_diffusion_nft_shuffle_timesteps": True}, "cli")
-        ordered = nft_trainer._expand(samples)
+        ordered = nft_trainer.method.pairs(samples)
         assert [p.sigma for p in ordered] == pytest.approx(schedule[:3] * 2)  # int(4 x 0.99): schedule order
         nft_trainer.args = base
-        shuffled = [[p.sigma for p in nft_trainer._expand(samples[:1])] for _ in range(8)]
+        shuffled = [[p.sigma for p in nft_trainer.method.pairs(samples[:1])] for _ in range(8)]
         assert any(order != pytest.approx(schedule[:3]) for order in shuffled)  # a random order by default
     finally:
         nft_trainer.args = base
@@ -105,7 +105,7 @@ def test_fsdp_flow_shift_shifts_the_sft_noise_levels(
         drawn.append((shift, sigmas, unshifted))
         return sigmas
 
-    monkeypatch.setattr(trainer_module, "sample_sigmas", recording)
+    monkeypatch.setattr(flow_matching, "sample_sigmas", recording)
     cli = {"hf_checkpoint": str(tiny_sd3_dir), "fsdp_flow_shift": 3.0, "debug_skip_optimizer_step": True}
     trainer = Trainer(resolve("sft", recipe="tiny-digits-sft", cli=cli).args, master_port=free_port())
     samples = rollout[1].samples

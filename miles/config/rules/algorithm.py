@@ -82,7 +82,7 @@ PAIR_HOOKS = (
 
 
 def check_train_hooks(res: Resolution, job: JobSpec) -> None:
-    """The trainer's hooks are set only where it calls them (miles.training.custom_hooks)."""
+    """The trainer's hooks are set only where it calls them (miles.training.custom_hooks, methods.custom)."""
     if not job.trains:
         return
     loss = res["loss_type"]

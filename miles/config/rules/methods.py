@@ -52,7 +52,8 @@ def check_method(res: Resolution, job: JobSpec) -> None:
                 res.fail(f"{res.show(dest)} applies to --loss-type {other.name} only, not {loss}")
     current = METHODS.get(loss)
     if current is not None and current.rules is not None:
-        RULES_BY_NAME[current.rules](res, job)
+        RULE_FUNCTIONS[current.rules](res, job)
 
 
-RULES_BY_NAME = {"policy_loss": check_policy_loss, "nft": check_nft, "custom_loss": check_custom_loss}
+# the table's `rules` names
+RULE_FUNCTIONS = {fn.__name__: fn for fn in (check_policy_loss, check_nft, check_custom_loss)}

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from types import MappingProxyType, SimpleNamespace
 from typing import Any, ClassVar
 
+from miles.methods import METHODS
 from miles.models.families import register_train_pipeline_config
 from miles.models.pipeline_config import TrainPipelineConfig
 
@@ -348,7 +349,8 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
                 f"{res.show('sde_step_backend_path')}: model family 'ltx' steps its audio by ODE inside the SDE "
                 "step (sde_mask), which a custom backend does not implement; use the built-in backends"
             )
-        if job.name == "dmd2" or res["loss_type"] == "nft":
+        known = METHODS.get(res["loss_type"])  # None under eval / rollout-only without a loss type
+        if job.name == "dmd2" or (known is not None and known.renoises_samples):
             what = "`miles train dmd2`" if job.name == "dmd2" else res.show("loss_type")
             res.fail(
                 f"{what}: model family 'ltx' trains Flow-GRPO, and SFT on its video stream only (DMD2 and NFT "

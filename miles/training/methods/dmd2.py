@@ -1,4 +1,5 @@
-"""DMD2 on the role-agnostic Trainer: the critic group's iteration and the student's step.
+"""`--loss-type dmd2` and `dmd2_critic`: DMD2's student step and its critic group's iteration, on the role-agnostic
+Trainer (`Dmd2Generator.train`, `Dmd2Critic.train`).
 
 A trainer becomes the critic group only through its args (`--loss-type dmd2_critic`,
 `--hf-checkpoint` = the teacher): its model is the fake score, initialised from the teacher, and
@@ -46,6 +47,7 @@ from miles.algorithms.dmd2 import (
 )
 from miles.config.errors import ConfigError
 from miles.rollout.types import Sample
+from miles.training.methods.base import TrainMethod
 from miles.training.pairs import Pair, dp_shard, stack_conditions
 
 if TYPE_CHECKING:
@@ -179,15 +181,14 @@ def real_latents(args: Any) -> RealLatents:
 
 
 def critic_state(trainer: Trainer) -> CriticState:
-    """The critic group's teacher (and GAN head), built on first use and kept on the trainer."""
-    state = getattr(trainer, "_dmd2_critic", None)
-    if state is not None:
-        return state
-    args = trainer.args
-    if args.loss_type != "dmd2_critic":
+    """The critic group's teacher (and GAN head), built on first use and kept by the trainer's critic method."""
+    args, owner = trainer.args, trainer.method
+    if not isinstance(owner, Dmd2Critic):
         raise ConfigError(
             f"the DMD2 critic iteration needs --loss-type dmd2_critic, this trainer has {args.loss_type}"
         )
+    if owner.state is not None:
+        return owner.state
     state = CriticState(teacher=load_teacher(trainer))
     if args.dmd2_gan_loss_weight > 0:
         from miles.training.optim import build_optimizer
@@ -200,7 +201,7 @@ def critic_state(trainer: Trainer) -> CriticState:
         state.head_optimizer = build_optimizer(state.head.parameters(), args)
         state.tap = FeatureTap(blocks[len(blocks) // 2])
         state.real = real_latents(args)
-    trainer._dmd2_critic = state  # type: ignore[attr-defined]
+    owner.state = state
     return state
 
 
@@ -297,7 +298,7 @@ def critic_iteration(
             loss = loss + weight * d_loss
         return loss, metrics
 
-    metrics = trainer._step(pairs, micro)
+    metrics = trainer.step(pairs, micro)
     if state.head_optimizer is not None and not args.debug_skip_optimizer_step:
         from miles.training.optim import clip_grad_norm
 
@@ -349,6 +350,33 @@ def generator_step(
         metrics["loss"] = total
         return loss, metrics
 
-    metrics = trainer._step(pairs, micro)
+    metrics = trainer.step(pairs, micro)
     metrics["train_time"] = time.perf_counter() - start
     return metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# The two methods
+# --------------------------------------------------------------------------------------------------
+
+
+class Dmd2Critic(TrainMethod):
+    """The critic group: `train(rollout_id, samples, with_external)` -> (metrics, external data or None)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__(trainer)
+        self.state: CriticState | None = None  # built on the first iteration (`critic_state`)
+
+    def train(
+        self, rollout_id: int, samples: list[Sample], *extra: Any
+    ) -> tuple[dict[str, float], ExternalData | None]:
+        (with_external,) = extra
+        return critic_iteration(self.trainer, rollout_id, samples, bool(with_external))
+
+
+class Dmd2Generator(TrainMethod):
+    """The student: `train(rollout_id, samples, external_data)` -> metrics, against the critic group's scores."""
+
+    def train(self, rollout_id: int, samples: list[Sample], *extra: Any) -> dict[str, float]:
+        (external,) = extra
+        return generator_step(self.trainer, rollout_id, samples, external)
