@@ -30,8 +30,8 @@ def main() -> int:
 
     from miles.config.resolve import resolve
     from miles.models.checkpoints import ensure_checkpoint
-    from miles.rollout.engines.sglang.server import resolve_sglang_python
     from miles.rollout.manager import RolloutManager, build_requests
+    from miles.utils.sglang_env import resolve_sglang_python
 
     if resolve_sglang_python(None) is None:
         print("bench/engines.py: no sglang environment (bash scripts/build_sglang_env.sh)", file=sys.stderr)

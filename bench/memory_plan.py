@@ -39,12 +39,12 @@ def trace_vs_plain() -> tuple[float, float, float]:
     from miles.config.resolve import resolve
     from miles.memory.activations import _GuidedStep, _inputs, _materialize, _module, trace_step
     from miles.memory.config_dirs import config_dir_for
-    from miles.memory.estimate import _family_of
     from miles.memory.step import read_configs, train_spec
+    from miles.models.families import args_family
     from miles.models.pipeline_config import target_components
 
     args = resolve(None, recipe="sd3-ocr-grpo").args
-    family = _family_of(args)
+    family = args_family(args)
     config_dir = config_dir_for(args.hf_checkpoint, family)
     components = family.denoiser_components(target_components(args.update_weight_target_module))
     spec = train_spec(args, family, read_configs(config_dir), components)

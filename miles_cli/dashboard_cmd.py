@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 
 def dashboard(

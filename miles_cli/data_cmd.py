@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 app = typer.Typer(help="Generate the built-in data sets (offline).", no_args_is_help=True)
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import typer
 
-from miles.config.errors import ConfigError, RuntimeUnavailable
+from miles.core.errors import ConfigError, RuntimeUnavailable
 from miles_cli.options import META_PANEL, build_command, given_flags, normalize_argv, split_extras
 
 HELP = (
@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except typer_exc.Exit as exc:
         return int(exc.exit_code or 0)
     except Exception as exc:
-        from miles.config.errors import find_engine_failure
+        from miles.core.errors import find_engine_failure
 
         message = find_engine_failure(exc)
         if message is None:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 app = typer.Typer(
     help="Build the embedded models (tiny-sd3, tiny-flux, tiny-qwen-image, tiny-wan2_2, tiny-cosmos3, tiny-ltx2) "

@@ -14,8 +14,8 @@ from typing import Any, Optional
 import typer
 
 from miles.config.catalog import ALL_FLAGS, FLAGS_BY_DEST
-from miles.config.errors import ConfigError
 from miles.config.flags import BOOL, ENUM, FLOAT, INT, NAMED_PATHS, STR_LIST, TRISTATE, Flag, closest
+from miles.core.errors import ConfigError
 
 _LIST_KINDS = (STR_LIST, NAMED_PATHS)
 META_PANEL = "Job"

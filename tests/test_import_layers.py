@@ -1,8 +1,14 @@
-"""The package layers import downwards only: models < rollout < training < runtime.
+"""Every package of miles/ sits on one floor and imports only the floors below it and itself; no module imports
+itself back through others.
 
-Every import counts, including the ones inside functions (a lazy import is still a dependency), so
-the graph between these four has no circle. What a lower layer needs from a higher one it names by
-dotted path (like `TEACHER_BUILDER`), resolved at run time.
+Every import counts, including the ones inside functions (a lazy import is still a dependency); only the
+imports under `if TYPE_CHECKING:` (annotations) do not. What a lower floor needs from a higher one it names by
+dotted path (like `TEACHER_BUILDER` or the method table's `impl`), resolved at run time.
+
+The floors, lowest first (the root modules `miles/methods.py`, the method table, sit on the ground floor):
+
+    core < utils < io < data < models < placement < config < rollout < algorithms < training < memory < preflight
+    < runtime
 """
 
 from __future__ import annotations
@@ -16,31 +22,79 @@ from pathlib import Path
 import pytest
 
 MILES = Path(__file__).resolve().parents[1] / "miles"
-ORDER = ("models", "rollout", "training", "runtime")
+ORDER = (
+    "core",
+    "utils",
+    "io",
+    "data",
+    "models",
+    "placement",
+    "config",
+    "rollout",
+    "algorithms",
+    "training",
+    "memory",
+    "preflight",
+    "runtime",
+)
+GROUND_MODULES = ("methods",)  # miles/<name>.py: on the floor of core
+
+
+def _floor(name: str) -> int:
+    return 0 if name in GROUND_MODULES else ORDER.index(name)
+
+
+def _in_type_checking(tree: ast.AST) -> set[int]:
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(n) for n in ast.walk(node))
+    return inside
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = _in_type_checking(tree)
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
     return found
 
 
+def _package(path: Path, root: Path) -> str:
+    return path.relative_to(root).parts[0].removesuffix(".py")
+
+
 def upward_imports(layer: str, root: Path = MILES) -> list[str]:
-    higher = ORDER[ORDER.index(layer) + 1 :]
     bad = []
-    for path in sorted((root / layer).rglob("*.py")):
+    paths = [root / f"{layer}.py"] if layer in GROUND_MODULES else sorted((root / layer).rglob("*.py"))
+    for path in paths:
         for line, module in _imports(path):
             parts = module.split(".")
-            if parts[0] == "miles" and len(parts) > 1 and parts[1] in higher:
-                bad.append(f"{path.relative_to(root.parent)}:{line} imports {module}")
-    return bad
+            if parts[0] != "miles" or len(parts) < 2 or parts[1] == layer:
+                continue
+            target = parts[1]
+            if (target in ORDER or target in GROUND_MODULES) and _floor(target) > _floor(layer):
+                bad.append(f"{path.relative_to(root.parent)}:{line} imports {'.'.join(parts[:2])}")
+            elif target not in ORDER and target not in GROUND_MODULES and (root / target).is_dir():
+                bad.append(f"{path.relative_to(root.parent)}:{line} imports {target}, which has no floor")
+    return sorted(set(bad))
 
 
-@pytest.mark.parametrize("layer", ORDER[:-1])
+def test_every_package_has_a_floor() -> None:
+    packages = {p.name for p in MILES.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    modules = {p.stem for p in MILES.glob("*.py")} - {"__init__"}
+    assert packages == set(ORDER)
+    assert modules == set(GROUND_MODULES)
+
+
+@pytest.mark.parametrize("layer", ORDER + GROUND_MODULES)
 def test_layers_import_downwards_only(layer):
     assert upward_imports(layer) == []
 
@@ -49,7 +103,85 @@ def test_the_check_sees_function_level_imports(tmp_path):
     pkg = tmp_path / "miles" / "models"
     pkg.mkdir(parents=True)
     (pkg / "x.py").write_text("def f():\n    from miles.training.trainer import Trainer\n    return Trainer\n")
-    assert upward_imports("models", tmp_path / "miles") == ["miles/models/x.py:2 imports miles.training.trainer"]
+    assert upward_imports("models", tmp_path / "miles") == ["miles/models/x.py:2 imports miles.training"]
+
+
+def module_graph(root: Path = MILES) -> dict[str, set[str]]:
+    """module -> the modules of miles it imports (a `from pkg import name` counts `pkg.name` when that is one)."""
+
+    def name_of(path: Path) -> str:
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    paths = {name_of(p): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        out = set()
+        for _, imported in _imports(path):
+            while imported and imported not in paths:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != module:
+                out.add(imported)
+        graph[module] = out
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_itself_back() -> None:
+    assert circles(module_graph()) == []
+
+
+def test_the_circle_check_finds_a_lazy_circle(tmp_path: Path) -> None:
+    pkg = tmp_path / "miles" / "training"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from miles.training.b import g\nfrom miles.training import c\n")
+    (pkg / "b.py").write_text("def g():\n    from miles.training import a\n    return a\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from miles.training.a import x\n"
+    )
+    assert circles(module_graph(tmp_path / "miles")) == [["miles.training.a", "miles.training.b"]]
 
 
 def test_the_preflight_imports_no_runtime() -> None:

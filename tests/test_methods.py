@@ -59,7 +59,7 @@ def test_a_methods_own_flags_are_refused_under_another_method() -> None:
     """`own_flags` in the table: one generic rule, the same line for each method's flags."""
     import pytest
 
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
 
     base = {"loss_type": "nft", "diffusion_sde_type": "ode", "use_ema": True}
     for dest, value, owner in (

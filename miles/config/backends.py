@@ -63,3 +63,17 @@ def cpu_capable(backend: str) -> bool:
 
 def attention_backends_on_cpu() -> list[str]:
     return [name for name, device in ATTENTION_BACKENDS.items() if device is None]
+
+
+# The rollout functions miles ships (`--rollout-function-path` naming one of them is the built-in rollout).
+BUILTIN_ROLLOUTS = frozenset(
+    {
+        "miles.rollout.sglang_rollout.generate_rollout",
+        "miles.rollout.sglang_diffusion_rollout.generate_rollout",
+        "miles.rollout.manager.RolloutManager.generate",
+    }
+)
+
+
+def is_builtin_rollout(path: str | None) -> bool:
+    return not path or str(path).strip() in BUILTIN_ROLLOUTS

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 # Kinds of flag. The kind decides how a raw value (a CLI string, a YAML scalar or list) is parsed.
 INT = "int"

@@ -141,8 +141,8 @@ JOBS: dict[str, JobSpec] = {
 
 
 def job_spec(name: str) -> JobSpec:
-    from miles.config.errors import ConfigError
     from miles.config.flags import closest
+    from miles.core.errors import ConfigError
 
     try:
         return JOBS[name]

@@ -13,9 +13,9 @@ from typing import Any
 
 from miles.config.args import CLI, YAML
 from miles.config.catalog import FLAGS_BY_DEST, flag_for
-from miles.config.errors import ConfigError
 from miles.config.flags import closest, to_dest
 from miles.config.resolution import EXTRA_FIELDS, Resolution
+from miles.core.errors import ConfigError
 
 # Top-level keys of a recipe / YAML that are not flags.
 META_KEYS = ("job", "description", "trainers", "custom", "sglang_args")

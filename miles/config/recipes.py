@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.config.errors import ConfigError
 from miles.config.flags import closest
+from miles.core.errors import ConfigError
 
 
 def recipe_dirs() -> list[Path]:

@@ -7,8 +7,8 @@ from typing import Any, NoReturn
 
 from miles.config.args import CLI, DEFAULT, DERIVED, RECIPE, YAML, Args
 from miles.config.catalog import ALL_FLAGS, FLAGS_BY_DEST
-from miles.config.errors import ConfigError
 from miles.config.flags import Flag
+from miles.core.errors import ConfigError
 
 # Fields that are not flags but travel with the args.
 EXTRA_FIELDS: dict[str, Any] = {"custom": {}, "sglang_args": {}}

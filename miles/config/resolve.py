@@ -14,13 +14,13 @@ from typing import Any
 
 from miles.config.args import CLI, RECIPE, YAML, Args
 from miles.config.catalog import FLAGS_BY_DEST
-from miles.config.errors import ConfigError
 from miles.config.jobs import JOBS, JobSpec, job_spec
 from miles.config.layering import ConfigFile, apply_cli, apply_file, load_config_file, parse_override, set_sglang_arg
 from miles.config.recipes import find_recipe
 from miles.config.resolution import Resolution
 from miles.config.rules import SHARED_RULES
 from miles.config.trainer_config import TrainerConfig, compute_trainer_args, compute_trainer_configs
+from miles.core.errors import ConfigError
 
 TRAINING_JOBS = ("rl", "sft", "dmd2")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-from miles.config.errors import ConfigError
 from miles.config.flags import closest
+from miles.core.errors import ConfigError
 
 # Server arguments miles sets itself for every engine it launches.
 MILES_OWNED = frozenset({"model_path", "host", "port", "base_gpu_id", "random_seed", "num_gpus"})

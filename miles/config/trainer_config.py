@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.config.args import Args, override_source
-from miles.config.errors import ConfigError
 from miles.config.flags import closest
+from miles.core.errors import ConfigError
 from miles.methods import METHODS
 
 

@@ -59,7 +59,7 @@ def resolve_dataset(spec: str | os.PathLike) -> Path:
     if parsed is None:
         name, sep, _ = spec.partition(":")
         if sep and name in BUILTIN_DATASETS:
-            from miles.config.errors import ConfigError
+            from miles.core.errors import ConfigError
 
             raise ConfigError(
                 f"unknown built-in data set {spec!r}; built-in data sets: {', '.join(builtin_dataset_names())}"

@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from miles.config.errors import ConfigError
-from miles.rollout.types import Sample
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.utils.atomic import atomic_open
 
 T = TypeVar("T")

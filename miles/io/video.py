@@ -192,7 +192,7 @@ def load_sft_video(
     `--diffusion-width`), as SFT images are. A missing file is a ConfigError naming it."""
     from PIL import Image
 
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
 
     path = Path(path)
     if int(frame_stride) < 1:

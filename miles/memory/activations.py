@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from miles.memory.meta_build import LoraSpec, build_component, build_denoiser, inject_lora
-from miles.memory.step import StepSpec
+from miles.memory.step_spec import StepSpec
 
 
 class _NoHook:

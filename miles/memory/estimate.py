@@ -186,7 +186,7 @@ def gpu_view(resolved: Any) -> tuple[Any, str | None]:
     import dataclasses
 
     from miles.models.families import args_family
-    from miles.rollout.engines.sglang.server import gpus_present
+    from miles.utils.sglang_env import gpus_present
 
     args = resolved.args
     if (
@@ -293,7 +293,7 @@ def fit_changes(
     make_plan_for: Callable[[Any], Any],
 ) -> list[tuple[str, float, bool]]:
     """(flags, peak GiB with the margin, fits) of each candidate that lowers the peak, in candidate order."""
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
 
     def peak_with(cli: Mapping[str, Any]) -> float | None:
         try:

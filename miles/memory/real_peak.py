@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from miles.memory.step import StepSpec
+from miles.memory.step_spec import StepSpec
 
 
 def profiled_peak(fn: Any) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.memory.estimate import (
     MARGIN_GIB,
     MemoryEstimate,

@@ -11,26 +11,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from miles.config.errors import ConfigError
-from miles.models.digits_teachers import SFT_TEACHERS, TEACHER_BUILDER, is_current
+from miles.core.errors import ConfigError
+from miles.models.builtin_names import BUILTIN_MODELS, SFT_TEACHERS, TINY_BUILDERS, is_builtin_model
+from miles.models.digits_teachers import TEACHER_BUILDER, is_current
 from miles.models.pipeline_config import import_dotted
-from miles.models.tiny.metadata import METADATA_FILES, TINY_SD3_NAME, built_design, current_design
+from miles.models.tiny.metadata import METADATA_FILES, built_design, current_design
 from miles.utils.paths import file_lock, models_dir
-
-# the offline tiny builds: name -> "module:function" with the signature (out_dir, seed=, progress=) -> BuildReport
-TINY_BUILDERS: dict[str, str] = {
-    TINY_SD3_NAME: "miles.models.sd3.tiny:build_tiny_sd3",
-    "tiny-flux": "miles.models.flux.tiny:build_tiny_flux",
-    "tiny-qwen-image": "miles.models.qwen_image.tiny:build_tiny_qwen_image",
-    "tiny-wan2_2": "miles.models.wan2_2.tiny:build_tiny_wan2_2",
-    "tiny-ltx2": "miles.models.ltx.tiny:build_tiny_ltx2",
-    "tiny-cosmos3": "miles.models.cosmos3.tiny:build_tiny_cosmos3",
-}
-BUILTIN_MODELS = (*TINY_BUILDERS, *SFT_TEACHERS)
-
-
-def is_builtin_model(name: str | os.PathLike) -> bool:
-    return str(name) in BUILTIN_MODELS
 
 
 def builtin_checkpoint_dir(name: str) -> Path:

@@ -19,17 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles.models.builtin_names import SFT_TEACHERS
 from miles.models.tiny.metadata import current_design
 
-SFT_TEACHERS: dict[str, int] = {
-    "tiny-sd3-digits-sft": 1000,  # optimizer steps at batch 64
-    "tiny-sd3-digits-sft-short": 525,
-    "tiny-flux-digits-sft-short": 100,  # digit reward 0.33, where its SFT curve turns steep (0.75 at 125)
-    "tiny-qwen-image-digits-sft-short": 150,  # digit reward 0.35 (0.21 at 100, 0.48 at 200)
-    "tiny-wan2_2-digits-sft-short": 100,  # eval reward 0.32 (accuracy 0.34; 0.73 at 200, 0.93 at 300)
-    "tiny-cosmos3-digits-sft-short": 50,  # eval reward 0.59 on the ten prompts (0.10 at 25 steps)
-    "tiny-ltx2-digits-sft-short": 1000,  # video stream only (the ltx patch group)
-}
 # name -> (the SFT recipe that makes it, its base checkpoint)
 TEACHER_SOURCES: dict[str, tuple[str, str]] = {
     "tiny-sd3-digits-sft": ("tiny-digits-sft", "tiny-sd3"),

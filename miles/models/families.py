@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.models.pipeline_config import TrainPipelineConfig, import_dotted
 
 FAMILY_ENV = "MILES_DIFFUSION_MODEL_FAMILY"

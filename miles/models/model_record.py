@@ -73,7 +73,7 @@ def model_record(
 ) -> dict[str, Any] | None:
     """`{"family", "checkpoint", "denoiser": {component: facts}}` of a job's checkpoint, or None when its
     family cannot be told (a user TrainPipelineConfig the record does not import, no checkpoint)."""
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.models.families import resolve_family
 
     if checkpoint is None or config_path is not None:

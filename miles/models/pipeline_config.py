@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.models.sglang_adapter import SglangAdapter
 
 

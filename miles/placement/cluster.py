@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

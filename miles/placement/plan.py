@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.placement.cluster import ClusterSpec, NodeSpec
 
 TRAIN_SHARE = 0.7
@@ -175,12 +175,8 @@ def num_engines(args: Any) -> int:
     return 1
 
 
-def make_plan(args: Any, cluster: ClusterSpec, job: Any = None) -> Plan:
-    """Place every trainer rank, engine and GPU reward worker of the job (`args.job` unless given)."""
-    if job is None:
-        from miles.config.jobs import job_spec
-
-        job = job_spec(args.job)
+def make_plan(args: Any, cluster: ClusterSpec, job: Any) -> Plan:
+    """Place every trainer rank, engine and GPU reward worker of `job` (`miles.config.jobs.job_spec(args.job)`)."""
     b = _Builder(args, cluster)
     colocate = bool(args.colocate)
     roles = _trainer_roles(job, args)

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.placement.cluster import ClusterSpec, NodeSpec
 from miles.placement.plan import Plan, Slot
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.preflight import checkpoint, cluster, data, hooks, memory, models, replay
 from miles.preflight.base import TRAINING_JOBS, Check
 from miles.utils.text import clip

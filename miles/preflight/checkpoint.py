@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob

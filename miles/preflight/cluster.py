@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob

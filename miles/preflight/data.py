@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields, url_problem
 from miles.utils.text import clip, clip_repr
 

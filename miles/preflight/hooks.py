@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.utils.deadline import alarm
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def _is_stock(hook: Hook, path: str) -> bool:
     """The built-in rollout named by its reference path: "no hook"."""
     if hook.dest not in ("rollout_function_path", "eval_function_path"):
         return False
-    from miles.rollout.rollout_hooks import is_builtin_rollout
+    from miles.config.backends import is_builtin_rollout
 
     return is_builtin_rollout(path)
 

@@ -94,7 +94,7 @@ MODEL_INPUTS: tuple[ModelInput, ...] = (
 def _family_denoiser(args: Any, checkpoint: str) -> tuple[str, ...]:
     """The denoiser folders the trainer loads from `checkpoint` (`transformer` when the family is unknown, the
     user class's with --train-pipeline-config-path)."""
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.models.families import resolve_family
 
     config_path = getattr(args, "train_pipeline_config_path", None)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:

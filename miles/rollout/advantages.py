@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 from miles.utils.hooks import load_function
 
 STD_EPS = 1e-4  # "+1e-4 matches flow_grpo"

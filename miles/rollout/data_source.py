@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.rollout.prompt_file import MAX_LINE_BYTES as MAX_LINE_BYTES
 from miles.rollout.prompt_file import PromptRecord as PromptRecord
 from miles.rollout.prompt_file import iter_jsonl_objects as iter_jsonl_objects
 from miles.rollout.prompt_file import load_prompt_jsonl as load_prompt_jsonl
 from miles.rollout.seeds import group_sample_seeds
-from miles.rollout.types import Sample
 from miles.utils.atomic import atomic_write_text
 from miles.utils.hooks import load_class, load_function
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
+from miles.core.sample import Conditions, Sample, Trajectory
 from miles.models.pipeline_config import prompt_geometry
 from miles.rollout.dmd2_sampler import backward_simulate, few_step_sample, x0_at
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.seeds import draw_normal
-from miles.rollout.types import Conditions, Sample, Trajectory
 
 MAX_BATCH = 256
 FEW_STEP_SDE_TYPE = "dmd2_few_step"

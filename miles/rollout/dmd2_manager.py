@@ -15,9 +15,9 @@ import asyncio
 import time
 from typing import Any
 
+from miles.core.sample import Sample
 from miles.rollout.dmd2_engine import few_step_request
 from miles.rollout.manager import RolloutBatch, RolloutManager, build_requests
-from miles.rollout.types import Sample
 
 
 def variant_name(dataset: str, variant: str, num_datasets: int) -> str:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.rollout.data_source import load_prompt_jsonl, resolve_prompt_data
 from miles.rollout.seeds import group_sample_seeds
-from miles.rollout.types import Sample
 
 EVAL_SEED_OFFSET = 1_000_003  # eval seeds never collide with the training layout's first groups
 

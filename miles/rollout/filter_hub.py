@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 from miles.utils.hooks import load_function
 
 DYNAMIC_FILTER_FLAG = "--dynamic-sampling-filter-path"

@@ -15,11 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.core.sample import Sample
 from miles.rollout import rollout_hooks
 from miles.rollout.data_source import load_data_source
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.step_strategy_hub import resolve_step_strategy, select_steps
-from miles.rollout.types import Sample
+from miles.utils.buckets import chunk_state_dict
 
 
 @dataclass
@@ -412,14 +413,6 @@ class RolloutManager:
         if log_probs:
             metrics["rollout/log_prob_mean"] = statistics.fmean(log_probs)
         return RolloutBatch(rollout_id=rollout_id, samples=samples, metrics=metrics)
-
-
-def chunk_state_dict(state: dict[str, Any], buffer_bytes: int) -> list[dict[str, Any]]:
-    """Split a state dict into chunks of at most `buffer_bytes` (a larger tensor travels alone)."""
-    from miles.utils.buckets import cut_by_bytes
-
-    sizes = ((name, t.numel() * t.element_size()) for name, t in state.items())
-    return [{name: state[name] for name in names} for names in cut_by_bytes(sizes, buffer_bytes)]
 
 
 def _merge(planned: Sample, done: Sample) -> Sample:

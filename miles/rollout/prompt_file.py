@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.utils.text import clip
 
 MAX_LINE_BYTES = 1 << 20  # 1 MiB: a prompt line is one JSON object, never a whole data set

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.config.backends import is_builtin_rollout
 from miles.utils.hooks import load_function
 
 ROLLOUT_FLAG = "--rollout-function-path"
@@ -54,13 +55,6 @@ GENERATE_FLAG = "--custom-generate-function-path"
 LOG_FLAG = "--custom-rollout-log-function-path"
 EVAL_LOG_FLAG = "--custom-eval-rollout-log-function-path"
 
-BUILTIN_ROLLOUTS = frozenset(
-    {
-        "miles.rollout.sglang_rollout.generate_rollout",
-        "miles.rollout.sglang_diffusion_rollout.generate_rollout",
-        "miles.rollout.manager.RolloutManager.generate",
-    }
-)
 # GenerateRequest fields that travel in the microgroup's samples, not in sampling_params
 _PER_SAMPLE = ("prompt", "metadata", "group_index", "indices", "seeds")
 
@@ -79,10 +73,6 @@ class RolloutFnTrainOutput:
 class RolloutFnEvalOutput:
     data: dict[str, list[Any]]  # dataset name -> list[Sample]
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def is_builtin_rollout(path: str | None) -> bool:
-    return not path or str(path).strip() in BUILTIN_ROLLOUTS
 
 
 def _load(args: Any, dest: str, flag: str) -> Callable[..., Any] | None:
@@ -110,7 +100,7 @@ def _fail(flag: str, path: Any, what: str) -> RolloutHookError:
 
 
 def _is_samples(value: Any) -> bool:
-    from miles.rollout.types import Sample
+    from miles.core.sample import Sample
 
     return isinstance(value, list) and all(isinstance(s, Sample) for s in value)
 
@@ -168,7 +158,7 @@ def _takes_evaluation(fn: Callable[..., Any]) -> bool:
 
 
 def planned_samples(request: Any) -> list[Any]:
-    from miles.rollout.types import PENDING
+    from miles.core.sample import PENDING
 
     planned = [request.sample(b) for b in range(len(request.seeds))]
     for sample in planned:

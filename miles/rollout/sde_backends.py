@@ -80,7 +80,7 @@ _CACHE: dict[tuple[int, str], SdeStepBackend] = {}
 
 def load_backend_class(path: str) -> type[SdeStepBackend]:
     """The `--sde-step-backend-path` class; ConfigError (one line naming the flag) when it is not a subclass."""
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.utils.hooks import load_class
 
     cls = load_class(path, FLAG)

@@ -10,7 +10,7 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import ConfigError, RuntimeUnavailable
+from miles.core.errors import ConfigError, RuntimeUnavailable
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob

@@ -23,13 +23,13 @@ from miles.utils.actors import REGISTRY
 
 # Classes whose message is a user's mistake, said as one line (exit 2).
 USER_ERRORS = (
-    "miles.config.errors.ConfigError",
+    "miles.core.errors.ConfigError",
     "miles.training.custom_hooks.HookError",
     "miles.rollout.rollout_hooks.RolloutHookError",
 )
 # Classes whose message already names what failed and where (exit 1, the line as it is).
 ONE_LINE_ERRORS = (
-    "miles.config.errors.EngineFailure",
+    "miles.core.errors.EngineFailure",
     "miles.rollout.engines.supervisor.DiffusersEngineError",
     "miles.rollout.engines.sglang.rollout.RolloutEngineError",
     "miles.rollout.rm_hub.dispatch.RewardError",
@@ -227,7 +227,7 @@ def report_failure(exc: BaseException, args: Any) -> int:
     import sys
     import traceback
 
-    from miles.config.errors import ConfigError, find_engine_failure
+    from miles.core.errors import ConfigError, find_engine_failure
     from miles.runtime.terminal import write_driver_log
     from miles.utils.actors import logs_dir
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import ConfigError
 from miles.config.export import to_json_dict, to_yaml_text
+from miles.core.errors import ConfigError
 from miles.utils.atomic import atomic_write_text
 
 if TYPE_CHECKING:

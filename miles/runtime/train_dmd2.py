@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.io.loggers import MetricsLogger
 from miles.runtime.ci_check import ci_check
 from miles.runtime.output import export_final

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.io.dashboard import open_dashboard
 from miles.io.loggers import MetricsLogger
 from miles.runtime.ci_check import ci_check

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.training.checkpoint_index import (
     LATEST_FILE,
     MANIFEST_FILE,

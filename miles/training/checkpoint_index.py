@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"

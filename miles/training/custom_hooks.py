@@ -2,7 +2,7 @@
 
 Each flag takes a dotted path (`package.module.function`), loaded once when the trainer starts
 (`miles.utils.hooks.load_function`). `Pair` is `miles.training.pairs.Pair(sample, step, slot, sigma)`
-and `Sample` is `miles.rollout.types.Sample`.
+and `Sample` is `miles.core.sample.Sample`.
 
 --custom-convert-samples-to-train-data-path  (train rl, replay: every rollout loss)
     convert(args, samples: list[Sample]) -> list[list[Pair]]
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 from miles.training.pairs import Pair, windows
 from miles.utils.hooks import load_function
 

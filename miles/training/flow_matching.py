@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from miles.algorithms.sft_loss import noisy_latents, sample_sigmas, sft_loss
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 from miles.training.model import target_components
 from miles.training.pairs import Pair
 

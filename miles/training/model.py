@@ -54,7 +54,7 @@ def model_backend(args: Any, family: TrainPipelineConfig) -> ModelBackend:
     path = getattr(args, "model_backend_path", None)
     if not path:
         return ModelBackend(args, family)
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.utils.hooks import load_class
 
     cls = load_class(path, MODEL_BACKEND_FLAG)

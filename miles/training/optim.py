@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")

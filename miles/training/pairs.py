@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 
 
 @dataclass

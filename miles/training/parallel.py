@@ -25,7 +25,7 @@ from typing import Any
 
 from miles.config.args import DEFAULT
 from miles.config.backends import ATTENTION_BACKENDS, DEVICE_WORDS, DISTRIBUTED_BACKENDS, attention_backends_on_cpu
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 
 
 def timeout_of(args: Any) -> timedelta:

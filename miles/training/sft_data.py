@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import Conditions, Sample
 from miles.models.pipeline_config import prompt_geometry
 from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects
-from miles.rollout.types import Conditions, Sample
 
 SFT_CFG_DROPOUT = 0.1
 

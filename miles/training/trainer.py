@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles.config.errors import ConfigError
-from miles.rollout.types import Sample
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.training.methods import build_method
 from miles.training.model import (
     DTYPES,

@@ -4,6 +4,7 @@ the weight-sync chunks of the in-process engines and the shards written for sgla
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 
 def cut_by_bytes(sizes: Iterable[tuple[str, int]], limit: int | None) -> list[list[str]]:
@@ -18,3 +19,9 @@ def cut_by_bytes(sizes: Iterable[tuple[str, int]], limit: int | None) -> list[li
         buckets[-1].append(name)
         size += nbytes
     return buckets
+
+
+def chunk_state_dict(state: dict[str, Any], buffer_bytes: int) -> list[dict[str, Any]]:
+    """Split a state dict into chunks of at most `buffer_bytes` (a larger tensor travels alone)."""
+    sizes = ((name, t.numel() * t.element_size()) for name, t in state.items())
+    return [{name: state[name] for name in names} for names in cut_by_bytes(sizes, buffer_bytes)]

@@ -13,7 +13,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.utils.deadline import timed
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import ResolvedJob, resolve
+from miles.core.errors import ConfigError
 
 # A minimal valid `train rl` job: 8 prompts x 4 samples = 32 samples per rollout, one GPU.
 BASE: dict[str, Any] = {

@@ -11,7 +11,6 @@ import pytest
 
 from miles.config import catalog
 from miles.config.catalog import ALL_FLAGS, FLAGS_BY_DEST, GROUPS, flag_for
-from miles.config.errors import ConfigError
 from miles.config.flags import (
     BOOL,
     DOTTED,
@@ -27,6 +26,7 @@ from miles.config.flags import (
     STR_LIST,
     TRISTATE,
 )
+from miles.core.errors import ConfigError
 
 # Every flag of the CLI reference's complete tables (and the "Other groups" / CI rows),
 # written by hand from the reference: name -> (kind, default). Paired rows are split.

@@ -14,10 +14,9 @@ import sys
 import pytest
 from jobs_helpers import EVAL_DATA, assert_names, rejected, run
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
-from miles.rollout.engines.sglang.posting import ACTORS_PER_NODE_VAR, actors_per_node
-from miles.rollout.engines.sglang.server import gpus_present
+from miles.core.errors import ConfigError
+from miles.utils.sglang_env import ACTORS_PER_NODE_VAR, actors_per_node, gpus_present
 from miles_cli.main import main
 
 SGLANG = {"rollout_backend": "sglang", "sglang_python": sys.executable, "distributed_backend": "gloo"}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from jobs_helpers import BASE, assert_names, rejected, run
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 
 
 @pytest.mark.parametrize(

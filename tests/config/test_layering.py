@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import ResolvedJob, resolve
+from miles.core.errors import ConfigError
 
 RECIPE = """\
 job: rl

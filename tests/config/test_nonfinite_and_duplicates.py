@@ -10,9 +10,9 @@ import pytest
 from jobs_helpers import BASE, DROP, rejected, run
 
 from miles.config.catalog import ALL_FLAGS, flag_for
-from miles.config.errors import ConfigError
 from miles.config.flags import FLOAT, Flag
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 from miles.rollout.evaluation import eval_datasets
 from miles_cli.main import main
 

@@ -10,10 +10,10 @@ import pytest
 from jobs_helpers import BASE
 
 from miles.config.args import Args
-from miles.config.errors import ConfigError
 from miles.config.recipes import shipped_recipes
 from miles.config.resolve import ResolvedJob, resolve
 from miles.config.trainer_config import TrainerConfig, compute_trainer_args, compute_trainer_configs
+from miles.core.errors import ConfigError
 
 
 def run(job: str, **cli: Any) -> ResolvedJob:

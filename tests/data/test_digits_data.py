@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.data import is_builtin_dataset, resolve_dataset
 from miles.data.digits import downsample_to_digits, load_digits_split, prompt_for, upsample_digits
 

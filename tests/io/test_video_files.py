@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.io.images import grid_sheet
 from miles.io.video import (
     as_video_frames,
@@ -178,7 +178,7 @@ def test_eval_of_videos_writes_the_animated_grid_and_each_video(tmp_path) -> Non
     """Eval (miles eval and the jobs' --eval-interval) writes videos as rollouts do, at --diffusion-fps."""
     from types import SimpleNamespace
 
-    from miles.rollout.types import Sample
+    from miles.core.sample import Sample
     from miles.runtime.eval_job import save_eval_grids
 
     videos = [_random_video(frames=4, h=16, w=16, seed=s) for s in range(2)]

@@ -70,10 +70,10 @@ def _measured_train_bytes(resolved: Any, port: int) -> int:
     import functools
 
     import miles.training.optim as optim
+    from miles.core.sample import Conditions, Sample
     from miles.memory.real_peak import profiled_peak
     from miles.memory.step import read_configs, train_spec
     from miles.models.pipeline_config import target_components
-    from miles.rollout.types import Conditions, Sample
     from miles.training.trainer import Trainer
 
     args = resolved.args

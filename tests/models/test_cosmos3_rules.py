@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 from miles.models.families import resolve_family
 
 BASE = {

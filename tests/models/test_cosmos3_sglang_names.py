@@ -97,7 +97,7 @@ def tiny_cosmos3_state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def sglang_mapping_source() -> str | None:
     """The text of sglang's Cosmos3 DiT config in the sglang environment on this machine, or None."""
-    from miles.rollout.engines.sglang.server import resolve_sglang_python
+    from miles.utils.sglang_env import resolve_sglang_python
 
     python = resolve_sglang_python(None)
     if python is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.models.families import (
     FAMILY_ENV,
     family_from_checkpoint_name,

@@ -10,7 +10,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from miles.models.lora_sync import LoraMerger, is_lora_entry, lora_sync_payload
-from miles.rollout.manager import chunk_state_dict
+from miles.utils.buckets import chunk_state_dict
 
 
 def _pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:

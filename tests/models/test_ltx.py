@@ -238,7 +238,7 @@ def test_video_only_sft_encodes_zero_audio_and_trains_the_video_stream_alone(
     """`miles train sft` for ltx (with the `ltx` patch group, which it requires): the clip's video latent and
     zero audio planes; the loss reads the video channels only and the video does not attend to the audio, so
     other audio planes give the same loss bit for bit; a step moves the DiT."""
-    from miles.rollout.types import Conditions, Sample
+    from miles.core.sample import Conditions, Sample
     from miles.training.model import family_of
     from miles.training.trainer import Trainer
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 from miles.models.families import get_family, resolve_family
 
 BASE = {

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.models.pipeline_config import TrainPipelineConfig
 from miles.models.sd3.config import SD3TrainPipelineConfig
 from miles.models.sd3.parallel import JointAttention, check_heads, check_tokens

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.models.checkpoints import ensure_checkpoint
 from miles.models.tiny.metadata import METADATA_FILE, default_resolution, max_sequence_length, read_metadata
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 
 BASE = {
     "prompt_data": "digits:train",

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from miles.config.errors import ConfigError
+from miles.config.jobs import job_spec
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 from miles.placement.cluster import ClusterSpec, NodeSpec, flags_cluster, parse_cluster
 from miles.placement.plan import Plan, make_plan
 from miles.placement.ray_placement import _units
@@ -175,7 +176,7 @@ def test_rollout_num_engines_sets_and_must_agree_with_rollout_gpus() -> None:
 def test_ray_cluster_with_a_cpu_head_plans_on_the_gpu_nodes_only() -> None:
     cluster = ClusterSpec((NodeSpec(gpus=4, cpus=8, node_id="a"), NodeSpec(gpus=4, cpus=8, node_id="b")), "Ray's")
     args = resolve("rl", recipe="sd3-ocr-grpo", cli={"actor_num_nodes": 2, "num_gpus_per_node": 4}).args
-    plan = make_plan(args, cluster)
+    plan = make_plan(args, cluster, job_spec(args.job))
     assert {(s.index, s.node) for s in plan.slots_of("actor")} == {(0, 0), (1, 0), (2, 1), (3, 1)}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from preflight_helpers import Job
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.preflight import cluster, find_problems, preflight
 from miles.preflight.cluster import Machine, check_cluster, count_gpus
 

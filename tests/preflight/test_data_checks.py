@@ -21,7 +21,7 @@ def test_broken_json_on_line_3(job: Job, tmp_path: Path) -> None:
 
 
 def test_the_preflight_line_is_the_runtime_line_with_the_flag(job: Job, tmp_path: Path) -> None:
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
 
     bad = write_lines(tmp_path / "bad.jsonl", [*digit_prompts(2), "{oops"])
     with pytest.raises(ConfigError) as info:
@@ -270,7 +270,7 @@ def test_an_sft_image_that_does_not_decode(job: Job, tmp_path: Path) -> None:
 
 
 def test_the_sft_reader_refuses_what_the_preflight_refuses(tmp_path: Path) -> None:
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.training.sft_data import _load_image, read_rows
 
     path = write_lines(tmp_path / "sft.jsonl", [{"image": "a.png", "input": 5}])

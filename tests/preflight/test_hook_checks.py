@@ -208,10 +208,8 @@ def test_a_literal_in_a_torch_module_is_refused_from_the_source(job: Job, monkey
     assert check_hooks(job("rl", custom_rm_path="miles.io.rollout_file.MODEL_KEY")) == [
         "--custom-rm-path 'miles.io.rollout_file.MODEL_KEY': names a str, not a function; expected fn(args, samples)"
     ]
-    assert check_hooks(
-        job("rl", data_source_path="miles.rollout.types.PENDING")
-    ) == [  # `PENDING, ... = "pending", ...`
-        "--data-source-path 'miles.rollout.types.PENDING': names a str, not a class; expected Class(args)"
+    assert check_hooks(job("rl", data_source_path="miles.core.sample.PENDING")) == [  # `PENDING, ... = "pending", ...`
+        "--data-source-path 'miles.core.sample.PENDING': names a str, not a class; expected Class(args)"
     ]
 
 

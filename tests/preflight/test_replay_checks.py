@@ -13,8 +13,8 @@ from miles.preflight.replay import check_rollout_files
 
 @pytest.fixture(scope="module")
 def rollout_io():
+    from miles.core.sample import Sample
     from miles.io import rollout_file
-    from miles.rollout.types import Sample
 
     return rollout_file, Sample
 
@@ -25,7 +25,7 @@ GROUP = 16  # --n-samples-per-prompt of tiny-digits-grpo
 def _trajectory(latent: tuple[int, ...] = (4, 8, 8), steps: int = 2):
     import torch
 
-    from miles.rollout.types import Trajectory
+    from miles.core.sample import Trajectory
 
     return Trajectory(
         latents=torch.zeros(steps + 1, *latent), timesteps=torch.ones(steps), sigmas=torch.ones(steps + 1)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.rollout.advantages import grpo_advantages, per_prompt_advantages, post_process_rewards
 from miles.rollout.filter_hub import (
     DynamicFilterOutput,
@@ -17,7 +18,6 @@ from miles.rollout.filter_hub import (
     check_reward_nonzero_std,
     get_dynamic_filter,
 )
-from miles.rollout.types import Sample
 
 EPS = 1e-4
 # Two groups of n=3 (hand example): [1, 2, 6] and [4, 4, 7]. Group means 3 and 5; unbiased group stds

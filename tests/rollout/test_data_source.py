@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.rollout.data_source import (
     RolloutDataSource,
     RolloutDataSourceWithBuffer,
@@ -17,7 +18,6 @@ from miles.rollout.data_source import (
     num_rollout_for,
     pop_first,
 )
-from miles.rollout.types import Sample
 from miles.utils.hooks import load_function
 
 
@@ -268,7 +268,7 @@ def test_load_data_source_by_path_and_errors(prompts_file: Path) -> None:
 def test_load_function_forms_and_errors() -> None:
     assert load_function("miles.rollout.data_source.pop_first", "--x") is pop_first
     assert load_function("miles.rollout.data_source:pop_first", "--x") is pop_first
-    assert load_function("miles.rollout.types.Sample.from_dict", "--x") == Sample.from_dict
+    assert load_function("miles.core.sample.Sample.from_dict", "--x") == Sample.from_dict
     with pytest.raises(ConfigError, match=r"^--buffer-filter-path 'nodots': expected a dotted path"):
         load_function("nodots", "--buffer-filter-path")
     with pytest.raises(ConfigError, match="not a function"):

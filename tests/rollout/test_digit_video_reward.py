@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.data.digits_video import DIRECTIONS, NUM_FRAMES, render_video
 from miles.rollout.rm_hub.digit import digit_probabilities, digit_reward, sample_digits
 from miles.rollout.rm_hub.digit_metrics import (
@@ -23,7 +24,6 @@ from miles.rollout.rm_hub.digit_metrics import (
     video_directions,
 )
 from miles.rollout.rm_hub.dispatch import RewardSettings, batched_async_rm
-from miles.rollout.types import Sample
 
 NUM_VIDEOS = 80
 

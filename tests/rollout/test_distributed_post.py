@@ -21,14 +21,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from miles.rollout.engines.sglang.posting import (
-    ACTORS_PER_NODE_VAR,
-    DistributedPoster,
-    LocalPoster,
-    PostReply,
-    make_poster,
-)
+from miles.rollout.engines.sglang.posting import DistributedPoster, LocalPoster, PostReply, make_poster
 from miles.rollout.router import MilesRouter, RouterConfig
+from miles.utils.sglang_env import ACTORS_PER_NODE_VAR
 
 PATH = "/rollout/generate"
 

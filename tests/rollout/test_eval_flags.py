@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.rollout.data_source import RolloutDataSource
 from miles.rollout.evaluation import eval_datasets, eval_groups, eval_metrics
-from miles.rollout.types import Sample
 
 JOB = {
     "hf_checkpoint": "tiny-sd3",

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from miles.config.resolve import resolve
+from miles.core.sample import Sample
 from miles.rollout.rm_hub.dispatch import batched_async_rm
 from miles.rollout.rm_hub.pickscore import PickScoreScorer
-from miles.rollout.types import Sample
 
 JOB = {
     "hf_checkpoint": "tiny-sd3",

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from miles.core.sample import Sample
 from miles.rollout.rm_hub.dispatch import RewardError, batched_async_rm, get_reward_pools
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility
 from miles.rollout.rm_hub.ocr import ocr_reward
-from miles.rollout.types import Sample
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
@@ -79,7 +79,7 @@ def _wait_until_dead(ray_module, actor, timeout_s: float = 30.0) -> None:
 
 
 def test_pool_cpu_only_placement_and_dead_worker(local_ray):
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.rollout.rm_hub.pool import RewardPool, reward_types_in_use
 
     assert reward_types_in_use(make_args(rm_type="ocr"), [{"rm_type": "pickscore"}, {}]) == ["ocr", "pickscore"]

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.rollout.rm_hub import dispatch
 from miles.rollout.rm_hub.dispatch import RewardError, batched_async_rm, score_groups, score_samples
 from miles.rollout.rm_hub.jpeg import image_to_uint8, jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
 from miles.rollout.rm_hub.ocr import edit_distance, extract_target, load_ocr_engine, ocr_reward, score_text
-from miles.rollout.types import Sample
 
 
 # ---- helpers -----------------------------------------------------------------------------------

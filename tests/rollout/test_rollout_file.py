@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import COMPLETED, Conditions, Sample, Trajectory
 from miles.io.rollout_file import (
     check_serializable,
     format_rollout_path,
@@ -16,7 +17,6 @@ from miles.io.rollout_file import (
     save_rollout,
     subsample_rollout,
 )
-from miles.rollout.types import COMPLETED, Conditions, Sample, Trajectory
 
 
 def make_sample(i: int, steps: int = 3) -> Sample:

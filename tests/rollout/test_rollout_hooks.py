@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from miles.config.errors import ConfigError
+from miles.config.backends import BUILTIN_ROLLOUTS
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
+from miles.core.sample import COMPLETED, Sample
 from miles.rollout import rollout_hooks
 from miles.rollout.manager import RolloutManager
 from miles.rollout.rollout_hooks import RolloutFnEvalOutput, RolloutFnTrainOutput, RolloutHookError
-from miles.rollout.types import COMPLETED, Sample
 
 CALLS: list[tuple[Any, ...]] = []
 HERE = __name__
@@ -130,7 +131,7 @@ def test_rollout_function_unknown_path_is_one_line(tmp_path: Path) -> None:
 
 
 def test_builtin_rollout_names_mean_no_hook(tmp_path: Path) -> None:
-    for name in rollout_hooks.BUILTIN_ROLLOUTS:
+    for name in BUILTIN_ROLLOUTS:
         args = make_manager(tmp_path, rollout_function_path=name).args
         assert rollout_hooks.rollout_function(args) is None and rollout_hooks.eval_function(args) is None
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.rollout.sde import StepResult, sde_step
 from miles.rollout.sde_backends import CpsSdeStepBackend, DiffusersSdeStepBackend, backend_step, sde_backend
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_save
 
+from miles.core.sample import COMPLETED
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.sglang.protocol import (
     decode_body,
@@ -18,7 +19,6 @@ from miles.rollout.engines.sglang.protocol import (
     rollout_payload,
     server_requests,
 )
-from miles.rollout.types import COMPLETED
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -258,7 +258,7 @@ def test_training_response_becomes_samples(guidance_scale: float) -> None:
 
 
 def test_the_samples_round_trip_through_to_dict() -> None:
-    from miles.rollout.types import Sample
+    from miles.core.sample import Sample
 
     req = make_request(seeds=[1], indices=[0])
     (sample,) = parse_response(req, wire_body([training_output(0)]))

@@ -10,15 +10,10 @@ from typing import Any
 
 import pytest
 
-from miles.config.errors import ConfigError, EngineFailure, find_engine_failure
 from miles.config.resolve import ResolvedJob, resolve
-from miles.rollout.engines.sglang.server import (
-    PYTHON_ENV_VAR,
-    ServerSpec,
-    free_port,
-    gpus_present,
-    resolve_sglang_python,
-)
+from miles.core.errors import ConfigError, EngineFailure, find_engine_failure
+from miles.rollout.engines.sglang.server import ServerSpec, free_port
+from miles.utils.sglang_env import PYTHON_ENV_VAR, gpus_present, resolve_sglang_python
 
 
 def flag_values(argv: list[str], flag: str) -> list[str]:

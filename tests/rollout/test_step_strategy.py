@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.rollout import step_strategy_hub as hub
 from miles.rollout.seeds import group_sample_seeds
-from miles.rollout.types import Sample
 
 
 def _args(**kw):

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.runtime.failures import explain
 from miles.utils.actors import ActorTag, owned_remote, tag_for
 

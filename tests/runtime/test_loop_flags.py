@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from miles.config.resolve import resolve
+from miles.core.sample import Sample
 from miles.io.rollout_file import load_rollout
 from miles.rollout.dmd2_sampler import stop_step
-from miles.rollout.types import Sample
 from miles.runtime.phases import Phases
 from miles.runtime.ray_setup import init_ray
 from miles.runtime.train_dmd2 import run_iteration

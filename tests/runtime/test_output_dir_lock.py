@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import ResolvedJob, resolve
+from miles.core.errors import ConfigError
 from miles.runtime.output import LOCK_FILE, lock_output_dir, prepare_output_dir, release_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.runtime.train_sft import RowSampler, _generator_state, _set_generator_state, resume, save
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.rollout.engines.sglang.server import resolve_sglang_python
+from miles.utils.sglang_env import resolve_sglang_python
 
 SGLANG_PYTHON = resolve_sglang_python(None)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from miles.models.families import get_family
-from miles.rollout.engines.sglang.server import resolve_sglang_python
 from miles.rollout.engines.sglang.sync import WEIGHTS_FILE, transformer_layout
+from miles.utils.sglang_env import resolve_sglang_python
 
 COSMOS3 = get_family("cosmos3")
 SGLANG_PYTHON = resolve_sglang_python(None)

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from miles.config.resolve import resolve
-from miles.rollout.engines.sglang.posting import ACTORS_PER_NODE_VAR, DistributedPoster, LocalPoster
+from miles.rollout.engines.sglang.posting import DistributedPoster, LocalPoster
 from miles.rollout.engines.sglang.protocol import server_requests
 from miles.rollout.manager import RolloutManager, build_requests
+from miles.utils.sglang_env import ACTORS_PER_NODE_VAR
 
 SHIFT = 3.0
 STEPS = 4

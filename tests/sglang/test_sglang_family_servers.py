@@ -53,7 +53,7 @@ def cpu_blocker(name: str) -> str:
     """Why sglang cannot serve family `name` here ("" when it can: always with GPUs). The config rules refuse
     `--rollout-backend sglang` for such a family on a machine without GPUs (`sglang_cpu_blocker`)."""
     from miles.models.families import get_family
-    from miles.rollout.engines.sglang.server import gpus_present
+    from miles.utils.sglang_env import gpus_present
 
     return "" if gpus_present() else get_family(name).sglang_cpu_blocker
 

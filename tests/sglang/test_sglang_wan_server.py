@@ -18,8 +18,8 @@ import pytest
 from safetensors.torch import load_file
 
 from miles.models.families import get_family
-from miles.rollout.engines.sglang.server import gpus_present, resolve_sglang_python
 from miles.rollout.engines.sglang.sync import WEIGHTS_FILE, transformer_layout
+from miles.utils.sglang_env import gpus_present, resolve_sglang_python
 
 WAN = get_family("wan2_2")
 SGLANG_PYTHON = resolve_sglang_python(None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.training import checkpoint as ckpt
 from miles.training.checkpoint import (
     LATEST_FILE,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.training.checkpoint import (
     MANIFEST_FILE,
     find_loadable_checkpoint,

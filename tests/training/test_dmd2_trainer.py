@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from miles.algorithms.dmd2 import add_noise, dm_timesteps, is_generator_step, x0_from_velocity
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 from miles.rollout.dmd2_manager import Dmd2RolloutManager
 from miles.rollout.dmd2_sampler import stop_step
 from miles.runtime.train_dmd2 import check_gan_data, generator_iterations

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.training.model import ModelBackend, load_transformer
 
 LOADED: list[tuple[str, torch.dtype, tuple[str, ...]]] = []

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 from miles.training.optim import MilesLRScheduler, build_lr_scheduler, build_optimizer, clip_grad_norm
 
 

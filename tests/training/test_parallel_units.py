@@ -12,7 +12,7 @@ from trainer_helpers import free_port
 
 from miles.config.args import Args
 from miles.config.backends import ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.models import ulysses
 from miles.training.parallel import ParallelLayout, check_attention_backend_device, check_sizes, process_group_backend
 

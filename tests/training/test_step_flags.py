@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles.config.resolve import resolve
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 from miles.training.pairs import Pair
 from miles.training.trainer import Trainer
 

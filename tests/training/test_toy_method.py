@@ -15,8 +15,8 @@ import torch
 from trainer_helpers import free_port, trainer_args
 
 from miles.config.args import override_source
+from miles.core.sample import Sample
 from miles.methods import METHODS, Method
-from miles.rollout.types import Sample
 from miles.training.methods.base import Loss, RolloutMethod
 from miles.training.pairs import Pair
 from miles.training.trainer import Trainer

@@ -12,8 +12,8 @@ import torch
 from trainer_helpers import free_port, trainer_args
 
 from miles.algorithms.sft_loss import sample_sigmas
-from miles.config.errors import ConfigError
 from miles.config.resolve import resolve
+from miles.core.errors import ConfigError
 from miles.training import flow_matching
 from miles.training.trainer import Trainer
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 def resolve_backend(res: Resolution, job: JobSpec) -> None:
-    from miles.rollout.engines.sglang.server import gpus_present, resolve_sglang_python
+    from miles.utils.sglang_env import gpus_present, resolve_sglang_python
 
     python = resolve_sglang_python(res["sglang_python"])
     unserved = _family_sglang_unserved(res)
@@ -56,7 +56,7 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
 
 def _family_sglang_unserved(res: Resolution) -> tuple[str, str] | None:
     """(family, why) when the resolved family cannot be served by sglang at all (`sglang_unserved`), else None."""
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.models.families import resolve_family
 
     if res["train_pipeline_config_path"] is not None or res["hf_checkpoint"] is None:
@@ -70,7 +70,7 @@ def _family_sglang_unserved(res: Resolution) -> tuple[str, str] | None:
 
 def _check_family_serves_on_cpu(res: Resolution) -> None:
     """A family whose sglang pipeline needs kernels its CPU build lacks is refused on a machine without GPUs."""
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.models.families import resolve_family
 
     if res["train_pipeline_config_path"] is not None:
@@ -88,7 +88,7 @@ def _check_family_serves_on_cpu(res: Resolution) -> None:
 
 def _check_family_settings_on_sglang(res: Resolution) -> None:
     """Settings under which sglang would sample something other than the family's pipeline are refused."""
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.models.checkpoints import is_builtin_model
     from miles.models.families import resolve_family
     from miles.models.tiny.metadata import TINY_MAX_SEQUENCE_LENGTH, max_sequence_length, read_metadata
@@ -131,7 +131,7 @@ def resolve_generator_device(res: Resolution, job: JobSpec) -> None:
     """--diffusion-generator-device is cpu, cuda or cuda:N. Its default (cuda, as in the reference) becomes cpu
     on a machine without GPUs, where no engine can hold a CUDA generator (sglang's CPU build draws on the CPU
     whatever the request says); an explicit cuda there is refused for a job that runs engines."""
-    from miles.rollout.engines.sglang.server import gpus_present
+    from miles.utils.sglang_env import gpus_present
 
     dest = "diffusion_generator_device"
     value = str(res[dest]).strip()
@@ -154,7 +154,7 @@ def check_distributed_post(res: Resolution, job: JobSpec) -> None:
     ($MILES_HTTP_POST_ACTORS_PER_NODE each): it needs engines reached over HTTP."""
     import os
 
-    from miles.rollout.engines.sglang.posting import actors_per_node
+    from miles.utils.sglang_env import actors_per_node
 
     dest = "use_distributed_post"
     if not res[dest]:
@@ -221,7 +221,7 @@ def check_patch_groups(res: Resolution, job: JobSpec) -> None:
 
 def _family_patch_groups(res: Resolution) -> dict[str, str]:
     """The patch groups the resolved model family honours (none when it cannot be resolved here)."""
-    from miles.config.errors import ConfigError
+    from miles.core.errors import ConfigError
     from miles.models.families import resolve_family
 
     if res["train_pipeline_config_path"] is not None or res["hf_checkpoint"] is None:

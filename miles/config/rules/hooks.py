@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.config.backends import BUILTIN_ROLLOUTS, is_builtin_rollout
 from miles.config.resolution import Resolution
-from miles.rollout.rollout_hooks import BUILTIN_ROLLOUTS, is_builtin_rollout
 
 if TYPE_CHECKING:
     from miles.config.jobs import JobSpec

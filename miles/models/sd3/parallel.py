@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.models import ulysses
 
 

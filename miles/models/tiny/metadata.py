@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-TINY_SD3_NAME = "tiny-sd3"
+from miles.models.builtin_names import TINY_SD3_NAME, is_builtin_model
+
 METADATA_FILE = "miles_tiny_sd3.json"  # tiny-sd3's (and the digits teachers') metadata file
 TINY_METADATA_FILE = "miles_tiny.json"  # every other tiny family's builds (tiny-flux, tiny-qwen-image, ...)
 METADATA_FILES = (METADATA_FILE, TINY_METADATA_FILE)
@@ -29,8 +30,6 @@ TINY_DESIGNS: dict[str, int] = {
 
 
 def _checkpoint_path(checkpoint: str | os.PathLike) -> Path:
-    from miles.models.checkpoints import is_builtin_model
-
     if is_builtin_model(checkpoint):  # the tiny builds and the digits SFT start points
         from miles.utils.paths import models_dir
 

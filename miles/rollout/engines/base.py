@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from miles.rollout.types import Sample
+    from miles.core.sample import Sample
 
 
 @dataclass
@@ -48,7 +48,7 @@ class GenerateRequest:
 
     def sample(self, b: int, **fields: Any) -> Sample:
         """The completed sample of this request's b-th seed; `fields` are what the engine produced."""
-        from miles.rollout.types import COMPLETED, Sample  # torch: only once an engine has run
+        from miles.core.sample import COMPLETED, Sample  # torch: only once an engine has run
 
         return Sample(
             index=self.indices[b],

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from miles.core.sample import Conditions, Sample, Trajectory
 from miles.models.checkpoints import ensure_checkpoint
 from miles.models.families import resolve_family
 from miles.models.loading import quiet_loading
@@ -23,7 +24,6 @@ from miles.rollout.engines.engine_state import HEALTH_GROUP, RecoverableEngine
 from miles.rollout.sde import sde_step
 from miles.rollout.sde_backends import backend_step
 from miles.rollout.seeds import draw_normal, generator_device, noise_generator
-from miles.rollout.types import Conditions, Sample, Trajectory
 from miles.utils.offload import own_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

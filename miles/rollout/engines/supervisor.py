@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from miles.config.errors import EngineFailure
+from miles.core.errors import EngineFailure
 from miles.models.lora_sync import is_lora_entry
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.engine_state import HEALTH_GROUP
@@ -259,7 +259,7 @@ class EngineSupervisor:
     def _push_to(self, i: int, state: dict[str, Any], version: int) -> None:
         import ray
 
-        from miles.rollout.manager import chunk_state_dict
+        from miles.utils.buckets import chunk_state_dict
 
         for chunk in chunk_state_dict(state, int(self.args.update_weight_buffer_size)):
             ray.get(self.engines[i].update_weights.remote(chunk, version))

@@ -35,11 +35,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:
-    from miles.rollout.types import Sample
+    from miles.core.sample import Sample
 
 Reward = float | dict[str, float]
 # scorer(images, prompts, metadata) -> one float per item

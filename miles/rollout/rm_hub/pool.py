@@ -28,7 +28,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from miles.config.errors import ConfigError
+from miles.core.errors import ConfigError
 from miles.rollout.rm_hub.dispatch import (
     RewardError,
     RewardSettings,
@@ -43,7 +43,7 @@ from miles.rollout.rm_hub.dispatch import (
 from miles.utils.actors import owned_remote, tag_for
 
 if TYPE_CHECKING:
-    from miles.rollout.types import Sample
+    from miles.core.sample import Sample
 
 POOLED_RM_TYPES = ("ocr", "pickscore")  # the model-backed rewards get pools by default
 DEFAULT_TIMEOUT_S = 600.0

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 from miles.training.custom_hooks import TrainHooks
 from miles.training.flow_matching import Loss, flow_matching_loss, flow_matching_step
 from miles.training.pairs import Pair

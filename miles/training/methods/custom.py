@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 from miles.training.custom_hooks import Hook, HookError, kind, load_hook
 from miles.training.methods.base import Loss, RolloutMethod
 from miles.training.pairs import Pair, expand_flow_grpo, flow_grpo_batch, stack_conditions, transition_problem

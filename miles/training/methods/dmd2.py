@@ -45,8 +45,8 @@ from miles.algorithms.dmd2 import (
     gan_discriminator_loss,
     x0_from_velocity,
 )
-from miles.config.errors import ConfigError
-from miles.rollout.types import Sample
+from miles.core.errors import ConfigError
+from miles.core.sample import Sample
 from miles.training.methods.base import TrainMethod
 from miles.training.pairs import Pair, dp_shard, stack_conditions
 

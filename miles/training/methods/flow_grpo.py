@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from miles.algorithms.policy_loss import policy_loss
+from miles.core.sample import Sample
 from miles.rollout.sde_backends import backend_step
-from miles.rollout.types import Sample
 from miles.training.methods.base import Loss, RolloutMethod
 from miles.training.pairs import Pair, expand_flow_grpo, flow_grpo_batch, transition_problem
 from miles.training.step_metrics import model_output_diffs

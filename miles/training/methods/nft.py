@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from miles.algorithms.nft import nft_corrupt, nft_loss, nft_timesteps
-from miles.rollout.types import Sample
+from miles.core.sample import Sample
 from miles.training.methods.base import Loss, RolloutMethod
 from miles.training.model import adapters_off, target_components
 from miles.training.pairs import Pair

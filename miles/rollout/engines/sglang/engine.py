@@ -175,7 +175,7 @@ class SglangEngine:
 
 def server_spec(args: Any, name: str, python: str, model_path: str, env: dict[str, str]) -> ServerSpec:
     """What a job's engine server is started with (`server.py` lists what miles sets)."""
-    from miles.rollout.engines.sglang.server import gpus_present
+    from miles.utils.sglang_env import gpus_present
 
     family = engine_family(args)
     precision = server_precision(args.diffusion_forward_dtype)
@@ -202,7 +202,7 @@ def _engine_env(args: Any, gpu_ids: list[int] | None = None) -> dict[str, str]:
     """Pin the server to the engine's GPUs (the plan's, which for a colocated engine over several GPUs are
     more than the one Ray accounts it on; else the actor's own); on a machine without GPUs share the cores
     between the engines."""
-    from miles.rollout.engines.sglang.server import gpus_present
+    from miles.utils.sglang_env import gpus_present
 
     env: dict[str, str] = {}
     if gpu_ids is None:

@@ -18,22 +18,10 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ACTORS_PER_NODE_VAR = "MILES_HTTP_POST_ACTORS_PER_NODE"
-
-
-def actors_per_node(environ: Mapping[str, str] | None = None) -> int:
-    """Poster actors per node: $MILES_HTTP_POST_ACTORS_PER_NODE (a positive integer), default 1."""
-    env = os.environ if environ is None else environ
-    text = env.get(ACTORS_PER_NODE_VAR, "").strip()
-    if not text:
-        return 1
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"${ACTORS_PER_NODE_VAR} must be a positive integer, got {text!r}")
-    return int(text)
+from miles.utils.sglang_env import actors_per_node
 
 
 @dataclass(frozen=True)

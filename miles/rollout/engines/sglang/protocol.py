@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 from miles.rollout.engines.base import GenerateRequest
 
 if TYPE_CHECKING:
+    from miles.core.sample import Sample
     from miles.models.pipeline_config import TrainPipelineConfig
-    from miles.rollout.types import Sample
 
 GENERATE_PATH = "/rollout/generate"
 
@@ -167,7 +167,7 @@ def samples_from_outputs(
     req: GenerateRequest, outputs: list[dict[str, Any]], family: TrainPipelineConfig | None = None
 ) -> list[Sample]:
     """The completed samples of one server request, in seed order."""
-    from miles.rollout.types import Conditions, Trajectory
+    from miles.core.sample import Conditions, Trajectory
 
     adapter = _adapter(family)
     cfg_scale = adapter.cfg_scale(req.guidance_scale, req.true_cfg_scale)

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.config.errors import EngineFailure
+from miles.core.errors import EngineFailure
+from miles.core.sample import Sample
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.sglang.posting import make_poster
 from miles.rollout.engines.sglang.protocol import (
@@ -37,7 +38,6 @@ from miles.rollout.engines.sglang.protocol import (
     server_requests,
 )
 from miles.rollout.engines.sglang.schedule import served_checkpoint
-from miles.rollout.types import Sample
 from miles.utils.actors import owned_remote, tag_for
 
 logger = logging.getLogger("miles.rollout.sglang")
@@ -64,8 +64,8 @@ class SglangRollout:
         from miles.models.checkpoints import ensure_checkpoint
         from miles.models.tiny.metadata import max_sequence_length
         from miles.rollout.engines.sglang.engine import engine_actor_class
-        from miles.rollout.engines.sglang.server import resolve_sglang_python
         from miles.rollout.router import MilesRouter, RouterConfig
+        from miles.utils.sglang_env import resolve_sglang_python
 
         self.args = args
         python = resolve_sglang_python(args.sglang_python)

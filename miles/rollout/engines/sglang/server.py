@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_ENV = Path.home() / ".cache" / "miles" / "sglang-env"
-PYTHON_ENV_VAR = "MILES_SGLANG_PYTHON"
 _PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
@@ -50,30 +48,6 @@ def server_precision(dtype: str) -> str:
 
 class EngineStartError(RuntimeError):
     """An sglang server did not come up; the message names it and ends with its log tail."""
-
-
-def resolve_sglang_python(explicit: str | None) -> str | None:
-    """The sglang environment's interpreter, or None when none is installed (or `explicit` is no file)."""
-    if explicit:
-        return explicit if Path(explicit).is_file() else None
-    for candidate in (os.environ.get(PYTHON_ENV_VAR), str(DEFAULT_ENV / "bin" / "python")):
-        if candidate and Path(candidate).is_file():
-            return candidate
-    import importlib.util
-    import sys
-
-    if importlib.util.find_spec("sglang") is not None:  # `pip install 'miles[sglang]'` on a GPU machine
-        return sys.executable
-    return None
-
-
-def gpus_present() -> bool:
-    """Whether this machine has NVIDIA GPUs to give engines (torch-free)."""
-    import shutil
-
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return False
-    return Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
 
 
 def free_port(pair: bool = False) -> int:
