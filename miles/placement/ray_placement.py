@@ -203,8 +203,9 @@ def _units(plan: Plan, k: int) -> list[tuple[int, ...]]:
     return sorted(units)
 
 
-def place(args: Any, job: Any = None) -> RayPlacement:
-    """Plan the job on the Ray cluster it is connected to (after `ray.init`) and reserve its bundles.
+def place(args: Any, job: Any) -> RayPlacement:
+    """Plan `job` (`miles.config.jobs.job_spec(args.job)`) on the Ray cluster it is connected to (after `ray.init`)
+    and reserve its bundles.
 
     With no GPU in the cluster the plan is made on the cluster the flags describe and realized on CPU.
     """

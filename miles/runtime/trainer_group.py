@@ -82,9 +82,10 @@ class TrainerGroup:
         self.role = role
         self.owns_placement = placement is None
         if placement is None:
+            from miles.config.jobs import job_spec
             from miles.placement.ray_placement import place
 
-            placement = place(args)
+            placement = place(args, job_spec(args.job))
         self.placement = placement
         self.slots = placement.slots(role)
         self.world = len(self.slots)
