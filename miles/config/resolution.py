@@ -71,3 +71,18 @@ class Resolution:
 def _option(dest: str) -> str:
     flag: Flag | None = FLAGS_BY_DEST.get(dest)
     return flag.option if flag else dest
+
+
+def schema_args(job: str = "rl", **values: Any) -> Args:
+    """The catalogue's defaults, unresolved (no recipe, no rules: a derived flag such as `--rollout-backend` keeps
+    its `auto`), with `values` on top (source `cli`). For a caller of one function (tests, benches) that needs
+    real `Args` without a whole job; a job's args come from `miles.config.resolve.resolve`."""
+    from miles.config.flags import closest
+
+    res = Resolution(job)
+    for name, value in values.items():
+        if name not in res.values:
+            hint = closest(name, list(res.values))
+            raise ConfigError(f"no argument named {name!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+        res.set(name, value, CLI)
+    return res.to_args()

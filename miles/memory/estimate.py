@@ -106,7 +106,7 @@ def detected_gpu_memory_gib() -> float | None:
 
 def capacity(args: Any) -> tuple[float, str]:
     """(GiB per GPU, where it came from): --gpu-memory-gib, $MILES_GPU_MEMORY_GIB, nvidia-smi, else 80."""
-    if getattr(args, "gpu_memory_gib", None) is not None:
+    if args.gpu_memory_gib is not None:
         return float(args.gpu_memory_gib), "--gpu-memory-gib"
     if os.environ.get(GPU_MEMORY_ENV):
         return float(os.environ[GPU_MEMORY_ENV]), f"${GPU_MEMORY_ENV}"
@@ -263,7 +263,7 @@ def candidate_changes(resolved: Any) -> list[Change]:
         out.append(Change("--gradient-checkpointing", {"gradient_checkpointing": True}))
     if any(micro_batch_rows(a) > 1 for a in trainers):
         out.append(Change("--micro-batch-size 1", {"micro_batch_size": 1}))
-    if int(getattr(args, "rollout_microgroup_size", 1) or 1) > 1 and engines:
+    if int(args.rollout_microgroup_size or 1) > 1 and engines:
         out.append(Change("--rollout-microgroup-size 1", {"rollout_microgroup_size": 1}))
     if not args.use_lora and resolved.spec.name != "dmd2":
         out.append(Change("--use-lora", {"use_lora": True}))

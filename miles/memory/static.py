@@ -294,7 +294,7 @@ def trainer_slot(
     if known is not None and known.frozen_teacher and not lora:
         teacher = gpu(denoiser.sharded_bytes(shards, "base")) + denoiser.sharded_bytes(shards, "buffers")
         slot.add(phases, "teacher", teacher, "exact: not moved by --offload-train")
-        gan = float(getattr(args, "dmd2_gan_loss_weight", 0) or 0)
+        gan = float(args.dmd2_gan_loss_weight or 0)
         if gan > 0:
             width = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
             head = (width * width + 4 * width + 1) * DTYPE_BYTES["float32"]

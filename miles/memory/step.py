@@ -54,10 +54,10 @@ def read_configs(config_dir: Path) -> dict[str, dict[str, Any]]:
 # ---- building the specs of a job ----------------------------------------------------------------------------------
 def micro_batch_rows(args: Any) -> int:
     """Train pairs per DiT forward: `--micro-batch-size`, or the 2-D tile's product."""
-    sample, tstep = getattr(args, "micro_batch_size_sample", None), getattr(args, "micro_batch_size_tstep", None)
+    sample, tstep = args.micro_batch_size_sample, args.micro_batch_size_tstep
     if sample and tstep:
         return int(sample) * int(tstep)
-    return int(getattr(args, "micro_batch_size", 1) or 1)
+    return int(args.micro_batch_size or 1)
 
 
 def text_length(checkpoint: Any, family: Any) -> int:
@@ -75,7 +75,7 @@ def _shapes(family: Any, configs: Mapping[str, Any], args: Any, checkpoint: Any)
             pipe,
             int(args.diffusion_height),
             int(args.diffusion_width),
-            int(getattr(args, "diffusion_output_num_frames", 1) or 1),
+            int(args.diffusion_output_num_frames or 1),
         )
     )
     conditions = tuple((n, None if s is None else tuple(int(x) for x in s), d) for n, (s, d) in sorted(conds.items()))
@@ -128,7 +128,7 @@ def rollout_spec(args: Any, family: Any, configs: Mapping[str, Any], components:
     return StepSpec(
         family=family.name,
         components=tuple(components),
-        batch=max(1, int(getattr(args, "rollout_microgroup_size", 1) or 1)),
+        batch=max(1, int(args.rollout_microgroup_size or 1)),
         latent=latent,
         conditions=conditions,
         forward_dtype=dtype_name(args.diffusion_forward_dtype),

@@ -90,9 +90,9 @@ def model_record(
 def model_record_of(args: Any) -> dict[str, Any] | None:
     """The record of the model a job's `args` run (`--hf-checkpoint`, `--diffusion-model-family`)."""
     return model_record(
-        getattr(args, "hf_checkpoint", None),
-        getattr(args, "diffusion_model_family", None),
-        getattr(args, "train_pipeline_config_path", None),
+        args.hf_checkpoint,
+        args.diffusion_model_family,
+        args.train_pipeline_config_path,
     )
 
 

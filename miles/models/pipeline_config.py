@@ -502,5 +502,5 @@ def prompt_geometry(args: Any) -> dict[str, Any]:
         "height": int(args.diffusion_height),
         "width": int(args.diffusion_width),
         "num_frames": int(getattr(args, "diffusion_output_num_frames", None) or 1),
-        "fps": getattr(args, "diffusion_fps", None),
+        "fps": args.diffusion_fps,
     }

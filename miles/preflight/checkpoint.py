@@ -51,7 +51,7 @@ def check_load(resolved: ResolvedJob) -> list[str]:
     problems: list[str] = []
     seen: set[str] = set()
     for args in resolved.trainer_args.values():
-        load = getattr(args, "load", None)
+        load = args.load
         if load is None or str(load) in seen:
             continue
         seen.add(str(load))
@@ -67,7 +67,7 @@ def check_save_over_checkpoints(resolved: ResolvedJob) -> list[str]:
     from miles.training.checkpoint_index import available_steps
 
     args = resolved.args
-    save, load = getattr(args, "save", None), getattr(args, "load", None)
+    save, load = args.save, args.load
     if not save or (load and Path(str(load)).resolve() == Path(str(save)).resolve()):
         return []
     steps = available_steps(save)

@@ -103,7 +103,7 @@ def check_hooks(resolved: ResolvedJob) -> list[str]:
             check_hook(hook, str(path).strip(), _flag(hook.dest))
         except ConfigError as exc:
             problems.append(str(exc))
-    path = getattr(args, "train_pipeline_config_path", None)
+    path = args.train_pipeline_config_path
     if path:
         try:
             check_pipeline_config(str(path).strip(), _flag("train_pipeline_config_path"))

@@ -19,7 +19,7 @@ def check_gpu_memory(resolved: ResolvedJob) -> list[str]:
 
     args = resolved.args
     on_gpus = bool(os.environ.get("RAY_ADDRESS")) or local_machine().gpus > 0
-    if getattr(args, "gpu_memory_gib", None) is None and not on_gpus:
+    if args.gpu_memory_gib is None and not on_gpus:
         return []
     from miles.memory.estimate import estimate_memory, refusal
 

@@ -97,7 +97,7 @@ def _family_denoiser(args: Any, checkpoint: str) -> tuple[str, ...]:
     from miles.core.errors import ConfigError
     from miles.models.families import resolve_family
 
-    config_path = getattr(args, "train_pipeline_config_path", None)
+    config_path = args.train_pipeline_config_path
     if config_path:
         from miles.models.families import load_user_pipeline_config
 

@@ -220,8 +220,8 @@ def expected_latent(args: Any) -> tuple[int, tuple[int, int] | None] | None:
     from miles.models.model_record import local_checkpoint_dir, read_json_object
     from miles.models.pipeline_config import TrainPipelineConfig
 
-    checkpoint = getattr(args, "hf_checkpoint", None)
-    if checkpoint is None or getattr(args, "train_pipeline_config_path", None):
+    checkpoint = args.hf_checkpoint
+    if checkpoint is None or args.train_pipeline_config_path:
         return None
     try:
         family = resolve_family(checkpoint, family=args.diffusion_model_family, require_trainable=False)

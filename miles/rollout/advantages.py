@@ -83,7 +83,7 @@ def post_process_rewards(args: Any, samples: list[Sample]) -> tuple[list[float],
 
     The samples must be in group order (each run of `n_samples_per_prompt` shares one `group_index`).
     """
-    hook_path = getattr(args, "custom_reward_post_process_path", None)
+    hook_path = args.custom_reward_post_process_path
     if hook_path:
         hook = load_function(hook_path, "--custom-reward-post-process-path")
         result = hook(args, samples)
@@ -103,14 +103,14 @@ def post_process_rewards(args: Any, samples: list[Sample]) -> tuple[list[float],
     else:
         n = int(getattr(args, "n_samples_per_prompt", None) or 1)
         _check_groups(samples, n)
-        reward_key = getattr(args, "reward_key", None)
+        reward_key = args.reward_key
         raw = [sample.scalar_reward(reward_key) for sample in samples]
         normalized = grpo_advantages(
             torch.tensor(raw, dtype=torch.float64),
             n,
-            globalize_mean=bool(getattr(args, "globalize_reward_mean", False)),
-            globalize_std=bool(getattr(args, "globalize_reward_std", False)),
-            std_normalization=not getattr(args, "disable_grpo_std_normalization", False),
+            globalize_mean=bool(args.globalize_reward_mean),
+            globalize_std=bool(args.globalize_reward_std),
+            std_normalization=not args.disable_grpo_std_normalization,
         ).tolist()
     for sample, advantage in zip(samples, normalized, strict=True):
         sample.advantage = float(advantage)

@@ -55,15 +55,15 @@ def resolve_prompt_data(spec: str | os.PathLike) -> Path:
 
 def num_rollout_for(args: Any, dataset_size: int) -> int:
     """`--num-rollout` when set, else `num_epoch (default 1) * ceil(dataset_size / rollout_batch_size)`."""
-    num_rollout = getattr(args, "num_rollout", None)
+    num_rollout = args.num_rollout
     if num_rollout is not None:
         return int(num_rollout)
-    batch = getattr(args, "rollout_batch_size", None)
+    batch = args.rollout_batch_size
     if not batch or batch < 1:
         raise ConfigError("--rollout-batch-size is required to derive --num-rollout from the data set")
     if dataset_size < 1:
         raise ConfigError("cannot derive --num-rollout: the prompt data set is empty")
-    num_epoch = getattr(args, "num_epoch", None) or 1
+    num_epoch = args.num_epoch or 1
     return int(num_epoch) * math.ceil(dataset_size / int(batch))
 
 
@@ -95,8 +95,8 @@ class RolloutDataSource:
         self._order: list[int] | None = None
         self._order_epoch: int | None = None
 
-        spec = getattr(args, "prompt_data", None)
-        if spec is not None and not getattr(args, "disable_rollout_global_dataset", False):
+        spec = args.prompt_data
+        if spec is not None and not args.disable_rollout_global_dataset:
             self.path = resolve_prompt_data(spec)
             self.dataset = load_prompt_jsonl(
                 self.path,
@@ -229,7 +229,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def __init__(self, args: Any) -> None:
         super().__init__(args)
         self.buffer: list[list[Sample]] = []
-        path = getattr(args, "buffer_filter_path", None)
+        path = args.buffer_filter_path
         self.buffer_filter: BufferFilter = load_function(path, "--buffer-filter-path") if path else pop_first
 
     def get_buffer_length(self) -> int:
@@ -273,6 +273,6 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
 
 def load_data_source(args: Any) -> RolloutDataSource:
     """The data source of a job: the `--data-source-path` class, else `RolloutDataSourceWithBuffer`."""
-    path = getattr(args, "data_source_path", None)
+    path = args.data_source_path
     cls = load_class(path, "--data-source-path") if path else RolloutDataSourceWithBuffer
     return cls(args)

@@ -32,7 +32,7 @@ class DynamicFilterOutput:
 
 def check_reward_nonzero_std(args: Any, samples: list[Sample], **kwargs: Any) -> DynamicFilterOutput:
     """Keep a group only when its rewards are not all equal (a constant group has no GRPO signal)."""
-    rewards = [sample.scalar_reward(getattr(args, "reward_key", None)) for sample in samples]
+    rewards = [sample.scalar_reward(args.reward_key) for sample in samples]
     if rewards and max(rewards) > min(rewards):
         return DynamicFilterOutput(keep=True)
     return DynamicFilterOutput(keep=False, reason=f"zero_std_{round(rewards[0], 1)}" if rewards else "empty_group")
@@ -53,7 +53,7 @@ def _as_output(result: Any, path: str) -> DynamicFilterOutput:
 
 def get_dynamic_filter(args: Any) -> Callable[[list[Sample]], DynamicFilterOutput] | None:
     """The configured per-group filter as `group -> DynamicFilterOutput`, or None when no filter is set."""
-    path = getattr(args, "dynamic_sampling_filter_path", None)
+    path = args.dynamic_sampling_filter_path
     if not path:
         return None
     fn = load_function(path, DYNAMIC_FILTER_FLAG)
@@ -82,7 +82,7 @@ def apply_dynamic_filter(args: Any, groups: list[list[Sample]]) -> tuple[list[li
 
 def apply_sample_filter(args: Any, groups: list[list[Sample]]) -> int:
     """Run `--rollout-sample-filter-path` in place; returns how many samples are now `remove_sample`."""
-    path = getattr(args, "rollout_sample_filter_path", None)
+    path = args.rollout_sample_filter_path
     if path:
         load_function(path, SAMPLE_FILTER_FLAG)(args, groups)
     removed = 0

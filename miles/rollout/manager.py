@@ -103,7 +103,7 @@ def build_requests(
                     guidance_scale_2=None
                     if args.diffusion_guidance_scale_2 is None
                     else float(args.diffusion_guidance_scale_2),
-                    debug=bool(getattr(args, "diffusion_debug_mode", False)) and not evaluation,
+                    debug=bool(args.diffusion_debug_mode) and not evaluation,
                 )
             )
     return requests

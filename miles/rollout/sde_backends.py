@@ -36,7 +36,7 @@ class SdeStepBackend:
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        self.no_const = bool(getattr(args, "diffusion_log_prob_no_const", False))
+        self.no_const = bool(args.diffusion_log_prob_no_const)
 
     def sde_step_logprob(
         self,
@@ -97,7 +97,7 @@ def sde_backend(args: Any, sde_type: str) -> SdeStepBackend:
     key = (id(args), sde_type)
     backend = _CACHE.get(key)
     if backend is None or backend.args is not args:
-        path = getattr(args, "sde_step_backend_path", None)
+        path = args.sde_step_backend_path
         if path:
             cls = load_backend_class(path)
         elif sde_type in BUILTIN:
@@ -116,11 +116,11 @@ def backend_step(
     backend = sde_backend(args, kwargs["sde_type"])
     if kwargs.get("mask") is not None and type(backend) not in BUILTIN.values():
         raise ValueError(
-            f"{FLAG} {getattr(args, 'sde_step_backend_path', None)!r}: this model family steps some latent "
+            f"{FLAG} {args.sde_step_backend_path!r}: this model family steps some latent "
             "elements by ODE inside the SDE step (sde_mask), which a custom backend does not implement"
         )
     result = backend.sde_step_logprob(v, x, sigma, sigma_next, **kwargs)
     if not isinstance(result, StepResult):
-        path = getattr(args, "sde_step_backend_path", None)
+        path = args.sde_step_backend_path
         raise TypeError(f"{FLAG} {path!r} returned {type(result).__name__}; expected miles.rollout.sde.StepResult")
     return result

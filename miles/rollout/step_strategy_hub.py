@@ -60,7 +60,7 @@ def return_indices(sde_steps: Iterable[int]) -> list[int]:
 
 
 def _window_range(args: Any, num_steps: int) -> tuple[int, int]:
-    window_range = getattr(args, "diffusion_sde_window_range", None)
+    window_range = args.diffusion_sde_window_range
     if window_range is None:
         return 0, num_steps
     if isinstance(window_range, str):
@@ -72,7 +72,7 @@ def _window_range(args: Any, num_steps: int) -> tuple[int, int]:
 
 def sde_window(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
     """A contiguous window of `--diffusion-num-sde-steps` SDE steps at a seed-determined start."""
-    window = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    window = int(args.diffusion_num_sde_steps or 0)
     if window <= 0:
         raise ValueError(f"the sde_window strategy needs --diffusion-num-sde-steps > 0 (got {window})")
     lo, hi = _window_range(args, num_steps)
@@ -92,7 +92,7 @@ def sde_window(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[
 
 def epoch_global_random_choice(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
     """`--diffusion-num-sde-steps` of the candidate steps, drawn once per epoch and shared by all its samples."""
-    candidates = getattr(args, "diffusion_sde_candidate_steps", None)
+    candidates = args.diffusion_sde_candidate_steps
     if candidates is None or len(candidates) == 0:
         raise ValueError(
             "the epoch_global_random_choice strategy requires --diffusion-sde-candidate-steps (e.g. '1,2,3')"
@@ -103,15 +103,15 @@ def epoch_global_random_choice(args: Any, sample: Any, num_steps: int, seed: int
         raise ValueError(f"--diffusion-sde-candidate-steps: steps {bad} are outside [0, {num_steps})")
     if len(set(candidates)) != len(candidates):
         raise ValueError(f"--diffusion-sde-candidate-steps has duplicates: {candidates}")
-    k = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    k = int(args.diffusion_num_sde_steps or 0)
     if k <= 0 or k >= len(candidates):
         steps = sorted(candidates)
     else:
-        rollout_batch_size = getattr(args, "rollout_batch_size", None)
+        rollout_batch_size = args.rollout_batch_size
         if not rollout_batch_size:
             raise ValueError("the epoch_global_random_choice strategy needs --rollout-batch-size to find the epoch")
         epoch = int(sample.group_index) // int(rollout_batch_size)
-        generator = torch.Generator().manual_seed(epoch + int(getattr(args, "rollout_seed", 42)))
+        generator = torch.Generator().manual_seed(epoch + int(args.rollout_seed))
         perm = torch.randperm(len(candidates), generator=generator)[:k]
         steps = sorted(candidates[i] for i in perm.tolist())
     return steps, return_indices(steps)
@@ -124,11 +124,11 @@ def ode_and_return_last(args: Any, sample: Any, num_steps: int, seed: int) -> tu
 
 def default_steps(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int] | None]:
     """The selection used when `--diffusion-step-strategy-path` is unset (see the module docstring)."""
-    n = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    n = int(args.diffusion_num_sde_steps or 0)
     if n > 0:
         return sde_window(args, sample, num_steps, seed)
-    sde_type = getattr(args, "diffusion_sde_type", "sde")
-    noise_level = float(getattr(args, "diffusion_noise_level", 0.7))
+    sde_type = args.diffusion_sde_type
+    noise_level = float(args.diffusion_noise_level)
     if sde_type == "ode" or noise_level == 0.0:
         return [], None
     steps = list(range(num_steps - 1))
@@ -145,7 +145,7 @@ STOCK_STRATEGIES: dict[str, StepStrategy] = {
 
 def resolve_step_strategy(args: Any) -> StepStrategy:
     """The strategy named by `args.diffusion_step_strategy_path`: a stock name, a dotted path, or the default."""
-    path = getattr(args, "diffusion_step_strategy_path", None)
+    path = args.diffusion_step_strategy_path
     if not path:
         return default_steps
     if callable(path):
@@ -181,7 +181,7 @@ class _Confined:
                 f"experts' steps {allowed[0]}..{allowed[-1]} (--update-weight-target-module)"
             )
         self.diffusion_sde_window_range = [lo, hi]
-        candidates = getattr(args, "diffusion_sde_candidate_steps", None)
+        candidates = args.diffusion_sde_candidate_steps
         if candidates:
             self.diffusion_sde_candidate_steps = [int(c) for c in candidates if int(c) in allowed] or None
 

@@ -67,7 +67,7 @@ def rows_since(path: Path, start: int) -> list[dict[str, Any]]:
 def ci_check(args: Any, out: str | Path, since: int = 0) -> int:
     """The job's exit code: 0 without --ci-test or when the check holds, else 1 (with one line on stderr).
     `since`: the `metrics_mark` taken when the job started (rows before it belong to earlier runs)."""
-    if not getattr(args, "ci_test", False):
+    if not args.ci_test:
         return 0
     key, threshold = args.ci_metric_checker_key, float(args.ci_metric_checker_threshold)
     rows = rows_since(Path(out) / "metrics.jsonl", since)

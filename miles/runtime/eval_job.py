@@ -26,7 +26,7 @@ def save_eval_grids(args: Any, out: Any, by_name: dict[str, list[Any]], tag: str
     from miles.io.video import DEFAULT_FPS, save_samples_media
 
     key = args.eval_reward_key or args.reward_key
-    fps = float(getattr(args, "diffusion_fps", None) or DEFAULT_FPS)
+    fps = float(args.diffusion_fps or DEFAULT_FPS)
     for name, samples in by_name.items():
         shown = samples[:GRID_MAX]
         labels = [f"{s.prompt} | r={s.scalar_reward(key):.3f}" for s in shown]

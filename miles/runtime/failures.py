@@ -231,7 +231,7 @@ def report_failure(exc: BaseException, args: Any) -> int:
     from miles.runtime.terminal import write_driver_log
     from miles.utils.actors import logs_dir
 
-    log_dir = logs_dir(args) if getattr(args, "output_dir", None) else None
+    log_dir = logs_dir(args) if args.output_dir else None
     write_driver_log("".join(traceback.format_exception(exc)))
     failure = explain(exc, log_dir)
     if failure is None:

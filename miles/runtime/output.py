@@ -138,7 +138,7 @@ def prepare_inputs(args: Any) -> None:
     from miles.data.builtin import is_builtin_dataset, resolve_dataset
     from miles.models.checkpoints import ensure_checkpoint
 
-    for checkpoint in {args.hf_checkpoint, getattr(args, "teacher_checkpoint", None)} - {None}:
+    for checkpoint in {args.hf_checkpoint, args.teacher_checkpoint} - {None}:
         ensure_checkpoint(checkpoint)
     specs = [args.prompt_data, *(args.eval_prompt_data or {}).values()]
     for spec in specs:

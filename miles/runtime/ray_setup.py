@@ -23,9 +23,9 @@ def init_ray(args: Any) -> None:
         if name in os.environ:
             env_vars.setdefault(name, os.environ[name])
     runtime_env = {"env_vars": env_vars}
-    verbose = bool(getattr(args, "verbose", False))
+    verbose = bool(args.verbose)
     quiet: dict[str, Any] = {}
-    if not verbose and getattr(args, "output_dir", None):
+    if not verbose and args.output_dir:
         from miles.runtime.terminal import quiet_ray
         from miles.utils.actors import logs_dir
 

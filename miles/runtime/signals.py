@@ -70,7 +70,7 @@ def reinstall() -> None:
 
 def last_checkpoint_line(args: Any) -> str:
     """Where a rerun resumes from: the newest complete checkpoint under --save, if any."""
-    save = getattr(args, "save", None)
+    save = args.save
     if not save:
         return "no checkpoint (no --save)"
     from miles.training.checkpoint_index import read_latest_step

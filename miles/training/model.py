@@ -51,7 +51,7 @@ class ModelBackend:
 
 def model_backend(args: Any, family: TrainPipelineConfig) -> ModelBackend:
     """The `--model-backend-path` class (a `ModelBackend` subclass) built on (args, family), else `ModelBackend`."""
-    path = getattr(args, "model_backend_path", None)
+    path = args.model_backend_path
     if not path:
         return ModelBackend(args, family)
     from miles.core.errors import ConfigError

@@ -49,7 +49,7 @@ _SETTINGS = (
 def build_optimizer(params: Iterable[Any], args: Any) -> torch.optim.AdamW:
     """AdamW over `params` (tensors or param-group dicts) with `--lr`, `--adam-beta1/2`, `--adam-eps`,
     `--weight-decay`. Plain tensors that do not require grad (frozen LoRA base weights) are left out."""
-    if getattr(args, "optimizer", "adam") != "adam":
+    if args.optimizer != "adam":
         raise ConfigError(f"--optimizer {args.optimizer!r}: only 'adam' (AdamW) is supported")
     items = list(params)
     if items and not isinstance(items[0], dict):
@@ -233,7 +233,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: Any, total_steps:
     (the default decay length)."""
     decay_steps = args.lr_decay_iters if args.lr_decay_iters is not None else total_steps
     warmup_iters = int(args.lr_warmup_iters or 0)
-    fraction = getattr(args, "lr_warmup_fraction", None)
+    fraction = args.lr_warmup_fraction
     if fraction is not None:
         if warmup_iters > 0:
             raise ConfigError(

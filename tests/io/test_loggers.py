@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from miles.config.args import Args
-from miles.config.catalog import ALL_FLAGS
+from miles.config.resolution import schema_args
 from miles.io.loggers import IMAGE_KEY, MetricsLogger, run_name, summary_keys
 from miles.io.metrics import read_metrics
 from miles.io.plots import DPI, PANEL_SIZE, moving_average, plot_curves, read_series
@@ -58,12 +58,7 @@ def _offline_wandb_env(tmp_path_factory: pytest.TempPathFactory):
 
 def make_args(**values: Any) -> Args:
     """Catalogue defaults (logging off) with `values` on top."""
-    resolved: dict[str, Any] = {flag.dest: flag.default for flag in ALL_FLAGS}
-    resolved.update(custom={}, sglang_args={})
-    for name, value in values.items():
-        assert name in resolved, name
-        resolved[name] = value
-    return Args(resolved, dict.fromkeys(resolved, "default"), "rl")
+    return schema_args(**values)
 
 
 def metrics_for(rollout_id: int) -> dict[str, Any]:

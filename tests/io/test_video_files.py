@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.io.images import grid_sheet
 from miles.io.video import (
@@ -176,14 +177,13 @@ def test_samples_media_for_images_and_videos(tmp_path) -> None:
 
 def test_eval_of_videos_writes_the_animated_grid_and_each_video(tmp_path) -> None:
     """Eval (miles eval and the jobs' --eval-interval) writes videos as rollouts do, at --diffusion-fps."""
-    from types import SimpleNamespace
 
     from miles.core.sample import Sample
     from miles.runtime.eval_job import save_eval_grids
 
     videos = [_random_video(frames=4, h=16, w=16, seed=s) for s in range(2)]
     samples = [Sample(index=i, group_index=i, prompt=f"p{i}", image=v, reward=0.5) for i, v in enumerate(videos)]
-    args = SimpleNamespace(eval_reward_key=None, reward_key=None, diffusion_fps=4)
+    args = schema_args(eval_reward_key=None, reward_key=None, diffusion_fps=4)
     save_eval_grids(args, tmp_path, {"digits": samples}, tag="_7")
     images = tmp_path / "images"
     assert sorted(p.name for p in images.iterdir()) == ["eval_digits_7", "eval_digits_7.png", "eval_digits_7.webp"]

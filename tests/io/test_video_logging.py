@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from miles.config.args import Args
-from miles.config.catalog import ALL_FLAGS
+from miles.config.resolution import schema_args
 from miles.io.loggers import IMAGE_KEY, MetricsLogger
 from miles.io.video import as_video_frames, read_video
 
@@ -49,12 +49,8 @@ def _offline_wandb_env(tmp_path_factory: pytest.TempPathFactory):
 
 
 def make_args(**values: Any) -> Args:
-    resolved: dict[str, Any] = {flag.dest: flag.default for flag in ALL_FLAGS}
-    resolved.update(custom={}, sglang_args={})
-    for name, value in values.items():
-        assert name in resolved, name
-        resolved[name] = value
-    return Args(resolved, dict.fromkeys(resolved, "default"), "rl")
+    """Catalogue defaults (logging off) with `values` on top."""
+    return schema_args(**values)
 
 
 def _videos(n: int = 3, frames: int = 9, size: int = 16) -> list[torch.Tensor]:

@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from miles.config.resolution import schema_args
 from miles.memory import step
 from miles.memory.step import StepSpec, read_configs
 from miles.models.families import resolve_family
@@ -33,7 +33,7 @@ FAMILY_DIRS = {
 
 
 def _spec(checkpoint: Path, family, resolution: int, batch: int, checkpointing: bool, frames: int = 1) -> StepSpec:
-    args = SimpleNamespace(
+    args = schema_args(
         diffusion_height=resolution, diffusion_width=resolution, diffusion_output_num_frames=frames,
         hf_checkpoint=str(checkpoint),
     )  # fmt: skip

@@ -9,12 +9,12 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from miles.config.resolution import schema_args
 from miles.memory.cache import cached_counts
 from miles.memory.meta_build import LoraSpec, build_denoiser
 from miles.memory.shipped import shipped_models
@@ -47,7 +47,7 @@ def _shard_on(model: torch.nn.Module, family, rank: int) -> tuple[int, int, int]
     dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (WORLD,))
-        args = SimpleNamespace(
+        args = schema_args(
             diffusion_forward_dtype="bf16", fsdp_master_dtype="fp32", fsdp_reduce_dtype="fp32", fsdp_cpu_offload=False
         )
         shard(model, args, mesh, family.fsdp_block_lists)

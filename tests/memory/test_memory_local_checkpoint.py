@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from miles.config.resolution import schema_args
 from miles.config.resolve import resolve
 from miles.memory import cache
 from miles.memory.config_dirs import config_dir_for, config_hash
@@ -75,9 +75,7 @@ def test_the_meta_denoiser_is_the_trainers(tiny_sd3_dir: Path, master: str) -> N
     family = get_family("sd3")
     lora = LoraSpec(4, 8, tuple(family.lora_target_modules))
     real = family.load_denoiser(tiny_sd3_dir, torch_dtype(master))
-    args = SimpleNamespace(
-        lora_rank=4, lora_alpha=8, lora_target_modules=list(lora.targets), lora_init_weights="gaussian"
-    )
+    args = schema_args(lora_rank=4, lora_alpha=8, lora_target_modules=list(lora.targets), lora_init_weights="gaussian")
     real = apply_lora(real, args, family)
     meta = build_denoiser(tiny_sd3_dir, family, ("transformer",), torch_dtype(master), lora)
     assert _signature(meta) == _signature(real)

@@ -4,13 +4,13 @@ across ranks: tests/training/test_parallel.py.)"""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.models.pipeline_config import TrainPipelineConfig
 from miles.models.sd3.config import SD3TrainPipelineConfig
@@ -116,7 +116,7 @@ def test_the_trainer_refuses_a_cuda_backend_on_a_cpu_rank() -> None:
     from miles.training.model import parallelize_attention
 
     model = make_dit(False)
-    args = SimpleNamespace(fsdp_attention_backend="flash")
+    args = schema_args(fsdp_attention_backend="flash")
     with pytest.raises(ConfigError, match="--fsdp-attention-backend flash needs CUDA, and this trainer rank has none"):
         parallelize_attention(model, args, SD3TrainPipelineConfig(), None)
     assert not any(isinstance(p, JointAttention) for p in model.attn_processors.values())  # nothing installed

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from miles.config.args import Args
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.rollout.advantages import grpo_advantages, per_prompt_advantages, post_process_rewards
@@ -111,19 +112,12 @@ def make_samples(rewards, n, **fields) -> list[Sample]:
     ]
 
 
-def make_args(**kw) -> SimpleNamespace:
+def make_args(**kw) -> Args:
     base = dict(
         n_samples_per_prompt=3,
-        reward_key=None,
-        disable_grpo_std_normalization=False,
-        globalize_reward_mean=False,
-        globalize_reward_std=False,
-        custom_reward_post_process_path=None,
-        dynamic_sampling_filter_path=None,
-        rollout_sample_filter_path=None,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return schema_args(**base)
 
 
 def test_post_process_sets_advantages() -> None:

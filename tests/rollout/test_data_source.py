@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from miles.config.args import Args
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.rollout.data_source import (
@@ -26,23 +28,15 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def make_args(prompt_data, **kw) -> SimpleNamespace:
+def make_args(prompt_data, **kw) -> Args:
     base = dict(
         prompt_data=str(prompt_data),
-        input_key="input",
-        metadata_key="metadata",
         n_samples_per_prompt=2,
-        seed=1234,
-        rollout_seed=42,
         rollout_batch_size=3,
-        num_rollout=None,
-        num_epoch=None,
-        data_source_path=None,
-        buffer_filter_path=None,
-        disable_rollout_global_dataset=False,
+        rollout_seed=42,  # the seeds the tests expect
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return schema_args(**base)
 
 
 @pytest.fixture

@@ -5,12 +5,13 @@ frames through the reward dispatch (the real tiny CLIP)."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from miles.config.args import Args
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.data.digits_video import DIRECTIONS, NUM_FRAMES, render_video
@@ -132,7 +133,7 @@ def test_eval_metrics_of_video_samples(tmp_path, video_classifier, rendered):
         for i, (v, k, d) in enumerate(zip(videos[:8], labels[:8], directions[:8], strict=True))
     ]
     samples[0].image = samples[0].image.flip(1)
-    args = SimpleNamespace(eval_reward_key=None, reward_key=None, hf_checkpoint=str(tmp_path))
+    args = schema_args(eval_reward_key=None, reward_key=None, hf_checkpoint=str(tmp_path))
     out = eval_metrics(args, "mv", samples)
     assert out["eval/mv/reward_mean"] == 0.5 and out["eval/mv/num_samples"] == 8.0
     assert out["eval/mv/direction_acc"] == 0.875
@@ -140,18 +141,8 @@ def test_eval_metrics_of_video_samples(tmp_path, video_classifier, rendered):
 
 
 # ---- dispatch: digit and PickScore on videos ---------------------------------------------------
-def _args(**overrides) -> SimpleNamespace:
-    base = {
-        "rm_type": None,
-        "custom_rm_path": None,
-        "hf_checkpoint": None,
-        "pickscore_model_path": None,
-        "pickscore_processor_path": None,
-        "pickscore_batch_size": 8,
-        "pickscore_num_frames": None,
-    }
-    base.update(overrides)
-    return SimpleNamespace(**base)
+def _args(**overrides) -> Args:
+    return schema_args(**overrides)
 
 
 def test_dispatch_scores_video_samples_with_the_digit_reward(tmp_path, video_classifier, rendered):

@@ -15,12 +15,12 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
 
+from miles.config.resolution import schema_args
 from miles.rollout.engines.sglang.posting import DistributedPoster, LocalPoster, PostReply, make_poster
 from miles.rollout.router import MilesRouter, RouterConfig
 from miles.utils.sglang_env import ACTORS_PER_NODE_VAR
@@ -97,9 +97,9 @@ def test_posts_go_through_the_poster_actors_and_answer_as_the_local_client(
     local_ray: Any, echo: EchoServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ACTORS_PER_NODE_VAR, "3")
-    poster = make_poster(SimpleNamespace(use_distributed_post=True))
+    poster = make_poster(schema_args(use_distributed_post=True))
     assert isinstance(poster, DistributedPoster)
-    assert isinstance(make_poster(SimpleNamespace(use_distributed_post=False)), LocalPoster)
+    assert isinstance(make_poster(schema_args(use_distributed_post=False)), LocalPoster)
     try:
         nodes = [n["NodeID"] for n in local_ray.nodes() if n["Alive"]]
         info = poster.info()

@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from miles.config.resolution import schema_args
 from miles.models.lora_sync import LoraMerger
 from miles.rollout.engines.engine_state import RecoverableEngine, state_digest
 from miles.rollout.engines.health import HealthConfig, HealthMonitor, HealthTarget
@@ -43,7 +43,7 @@ class Probe:
 
 def _monitor(targets: list[HealthTarget], probe: Any, clock: Clock, first_wait: float = 0.0, interval: float = 1.0):
     reports: list[tuple[int, int, str]] = []
-    flags = SimpleNamespace(
+    flags = schema_args(
         rollout_health_check_interval=interval,
         rollout_health_check_timeout=7.0,
         rollout_health_check_first_wait=first_wait,
@@ -93,7 +93,7 @@ def test_a_broken_probe_reports_nothing() -> None:
 def test_the_thread_checks_every_interval_after_the_first_wait_and_stops() -> None:
     found = threading.Event()
     probe = Probe({"a": "dead"})
-    flags = SimpleNamespace(
+    flags = schema_args(
         rollout_health_check_interval=0.05, rollout_health_check_timeout=1.0, rollout_health_check_first_wait=0.2
     )
     monitor = HealthMonitor(
@@ -114,7 +114,7 @@ def test_the_thread_checks_every_interval_after_the_first_wait_and_stops() -> No
 
 def test_interval_zero_turns_the_checks_off() -> None:
     config = HealthConfig.from_args(
-        SimpleNamespace(
+        schema_args(
             rollout_health_check_interval=0, rollout_health_check_timeout=30.0, rollout_health_check_first_wait=0
         )
     )

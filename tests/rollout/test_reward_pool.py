@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from miles.config.args import Args
+from miles.config.resolution import schema_args
 from miles.core.sample import Sample
 from miles.rollout.rm_hub.dispatch import RewardError, batched_async_rm, get_reward_pools
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility
@@ -29,10 +30,8 @@ def text_image(text: str, size: int = 128) -> torch.Tensor:
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255.0
 
 
-def make_args(**overrides) -> SimpleNamespace:
-    base = {"rm_type": None, "custom_rm_path": None, "ocr_num_workers": 2, "pickscore_num_gpus_per_worker": 1.0}
-    base.update(overrides)
-    return SimpleNamespace(**base)
+def make_args(**overrides) -> Args:
+    return schema_args(**{"ocr_num_workers": 2, **overrides})
 
 
 def test_ocr_pool_round_trip_dispatch_and_worker_error():

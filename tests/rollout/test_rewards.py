@@ -10,12 +10,13 @@ import asyncio
 import math
 import textwrap
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from miles.config.args import Args
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.rollout.rm_hub import dispatch
@@ -38,20 +39,8 @@ def noise_image(seed: int = 0, size: int = 64) -> torch.Tensor:
     return torch.rand(3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
-def make_args(**overrides) -> SimpleNamespace:
-    base = {
-        "rm_type": None,
-        "custom_rm_path": None,
-        "group_rm": False,
-        "reward_key": None,
-        "hf_checkpoint": None,
-        "pickscore_model_path": None,
-        "pickscore_processor_path": None,
-        "pickscore_batch_size": 8,
-        "pickscore_num_frames": None,
-    }
-    base.update(overrides)
-    return SimpleNamespace(**base)
+def make_args(**overrides) -> Args:
+    return schema_args(**overrides)
 
 
 def sample(index: int, prompt: str, image, **metadata) -> Sample:

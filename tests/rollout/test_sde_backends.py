@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from miles.config.args import Args
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.rollout.sde import StepResult, sde_step
 from miles.rollout.sde_backends import CpsSdeStepBackend, DiffusersSdeStepBackend, backend_step, sde_backend
@@ -26,11 +27,11 @@ class NotABackend:
     pass
 
 
-def args(**kw: Any) -> SimpleNamespace:
-    return SimpleNamespace(**{"sde_step_backend_path": None, "diffusion_log_prob_no_const": False, **kw})
+def args(**kw: Any) -> Args:
+    return schema_args(**kw)
 
 
-def _rollout_then_recompute(a: SimpleNamespace, sde_type: str) -> tuple[StepResult, StepResult]:
+def _rollout_then_recompute(a: Args, sde_type: str) -> tuple[StepResult, StepResult]:
     g = torch.Generator().manual_seed(0)
     x, v = torch.randn(3, 4, 5, 5, generator=g), torch.randn(3, 4, 5, 5, generator=g)
     noise = torch.randn(3, 4, 5, 5, generator=g)

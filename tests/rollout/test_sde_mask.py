@@ -5,11 +5,10 @@ A custom `--sde-step-backend-path` is refused with a mask (it would not honour i
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from miles.config.resolution import schema_args
 from miles.rollout.sde import sde_step
 from miles.rollout.sde_backends import SdeStepBackend, backend_step
 
@@ -68,10 +67,10 @@ class _Custom(SdeStepBackend):
 
 def test_backend_step_passes_the_mask_to_builtins_and_refuses_a_custom_backend() -> None:
     x, v, noise, mask = _case()
-    args = SimpleNamespace(sde_step_backend_path=None, diffusion_log_prob_no_const=False)
+    args = schema_args(sde_step_backend_path=None, diffusion_log_prob_no_const=False)
     res = backend_step(args, v, x, 0.9, 0.8, sde_type="sde", noise_level=0.7, sigma_max=0.95, noise=noise, mask=mask)
     direct = sde_step(v, x, 0.9, 0.8, sde_type="sde", noise_level=0.7, sigma_max=0.95, noise=noise, mask=mask)
     assert torch.equal(res.prev_sample, direct.prev_sample) and torch.equal(res.log_prob, direct.log_prob)
-    custom = SimpleNamespace(sde_step_backend_path=f"{__name__}._Custom", diffusion_log_prob_no_const=False)
+    custom = schema_args(sde_step_backend_path=f"{__name__}._Custom", diffusion_log_prob_no_const=False)
     with pytest.raises(ValueError, match="custom backend does not implement"):
         backend_step(custom, v, x, 0.9, 0.8, sde_type="sde", noise_level=0.7, noise=noise, mask=mask)

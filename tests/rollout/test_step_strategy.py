@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.rollout import step_strategy_hub as hub
@@ -15,17 +14,10 @@ from miles.rollout.seeds import group_sample_seeds
 
 def _args(**kw):
     base = dict(
-        diffusion_num_sde_steps=0,
-        diffusion_sde_window_range=None,
-        diffusion_sde_candidate_steps=None,
-        diffusion_step_strategy_path=None,
-        diffusion_sde_type="sde",
-        diffusion_noise_level=0.7,
         rollout_batch_size=4,
-        rollout_seed=42,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return schema_args(**base)
 
 
 def _sample(group_index=0, index=0):

@@ -13,10 +13,10 @@ import os
 import signal
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.runtime.failures import explain
 from miles.utils.actors import ActorTag, owned_remote, tag_for
@@ -195,7 +195,7 @@ def test_only_the_users_lines_are_forwarded(local_ray, tmp_path: Path, capsys) -
 def test_verbose_keeps_the_actors_output_on_rays_streams(local_ray, tmp_path: Path) -> None:
     """--verbose: the actor's output stays on the streams Ray forwards (all of it reaches the terminal); the log
     holds only miles' own lines (start, failures)."""
-    tag = tag_for(SimpleNamespace(output_dir=str(tmp_path), verbose=True, hook_timeout=None), "worker", 9)
+    tag = tag_for(schema_args(output_dir=str(tmp_path), verbose=True, hook_timeout=None), "worker", 9)
     assert tag is not None and tag.verbose
     actor = owned_remote(_WORKER).options(num_cpus=0).remote(_miles_tag=tag)
     local_ray.get(actor.pid.remote())
@@ -206,8 +206,8 @@ def test_verbose_keeps_the_actors_output_on_rays_streams(local_ray, tmp_path: Pa
 
 
 def test_no_tag_without_an_output_dir() -> None:
-    assert tag_for(SimpleNamespace(output_dir=None), "actor") is None
-    tag = tag_for(SimpleNamespace(output_dir="/tmp/run", hook_timeout=0.0, verbose=False), "engine", 2)
+    assert tag_for(schema_args(output_dir=None), "actor") is None
+    tag = tag_for(schema_args(output_dir="/tmp/run", hook_timeout=0.0, verbose=False), "engine", 2)
     assert tag is not None and tag.log_path == Path("/tmp/run/logs/engine-2.log") and tag.hook_timeout is None
 
 

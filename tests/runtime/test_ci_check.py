@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from miles.config.resolution import schema_args
 from miles.runtime.ci_check import check_metric, ci_check, last_value, metrics_mark
 
 ROWS = [
@@ -18,7 +18,7 @@ ROWS = [
 
 
 def _args(key: str | None = "eval/d/accuracy", threshold: float | None = 0.5, ci_test: bool = True):
-    return SimpleNamespace(ci_test=ci_test, ci_metric_checker_key=key, ci_metric_checker_threshold=threshold)
+    return schema_args(ci_test=ci_test, ci_metric_checker_key=key, ci_metric_checker_threshold=threshold)
 
 
 def _write(out: Path, rows: list[dict]) -> Path:

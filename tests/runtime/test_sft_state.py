@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from miles.config.args import Args
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.runtime.train_sft import RowSampler, _generator_state, _set_generator_state, resume, save
 
@@ -28,9 +29,8 @@ class FakeGroup:
         return [dict(self.extra)]
 
 
-def _args(**changes: Any) -> SimpleNamespace:
-    base = {"load": None, "ckpt_step": None, "save": "ck", "no_load_rng": False, "start_rollout_id": None}
-    return SimpleNamespace(**{**base, **changes})
+def _args(**changes: Any) -> Args:
+    return schema_args(**{"save": "ck", **changes})
 
 
 def test_row_sampler_state_resumes_the_same_order() -> None:

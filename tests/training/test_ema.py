@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
+from miles.config.resolution import schema_args
 from miles.config.resolve import resolve
 from miles.training.ema import EmaShadow
 
@@ -38,7 +37,7 @@ def test_from_args():
     )
     ema = EmaShadow.from_args(_model().named_parameters(), args)
     assert (ema.decay_init, ema.decay_ramp, ema.decay_max, ema.flat_steps) == (0.2, 0.05, 0.9, 2)
-    ns = types.SimpleNamespace(ema_decay_init=0.0, ema_decay_ramp=1.0, ema_decay_max=1.0, ema_decay_flat_steps=0)
+    ns = schema_args(ema_decay_init=0.0, ema_decay_ramp=1.0, ema_decay_max=1.0, ema_decay_flat_steps=0)
     assert EmaShadow.from_args(_model().named_parameters(), ns).decay_at(1) == 1.0
 
 

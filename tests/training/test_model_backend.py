@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.training.model import ModelBackend, load_transformer
 
@@ -36,7 +37,7 @@ class FamilyThatMustNotLoad:
 
 
 def _args(path: str | None) -> SimpleNamespace:
-    return SimpleNamespace(
+    return schema_args(
         model_backend_path=path,
         fsdp_master_dtype="bf16",
         gradient_checkpointing=False,

@@ -83,8 +83,8 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
 
     # ---- run settings and checkpoint constants ---------------------------------------------------
     def bind_args(self, args: Any) -> None:
-        self.isolate_modalities = _has_patch_group(getattr(args, "rollout_patch_group", None))
-        fps = getattr(args, "diffusion_fps", None)
+        self.isolate_modalities = _has_patch_group(args.rollout_patch_group)
+        fps = args.diffusion_fps
         self.fps = float(fps) if fps else DEFAULT_FPS
 
     def bind_checkpoint(self, checkpoint: Any) -> None:

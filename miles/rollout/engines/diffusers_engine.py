@@ -231,7 +231,7 @@ class DiffusersEngine:
         x = torch.stack([draw_normal(shape, g) for g in generators])
         record = not req.evaluation
         latents = [x] if record else []
-        debug = record and (req.debug or bool(getattr(self.args, "diffusion_debug_mode", False)))
+        debug = record and (req.debug or bool(self.args.diffusion_debug_mode))
         outputs: list[torch.Tensor] = []
         sde_sets = [set(steps) for r in reqs for steps in r.sde_steps]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(m)]

@@ -255,10 +255,10 @@ def _cause(exc: BaseException) -> str:
 
 def reward_types_in_use(args: Any, metadata: Iterable[dict[str, Any]] = ()) -> list[str]:
     """`--rm-type` plus every `metadata.rm_type` seen (sorted, deduplicated); none under --custom-rm-path."""
-    if getattr(args, "custom_rm_path", None):
+    if args.custom_rm_path:
         return []
     types = {m.get("rm_type") for m in metadata if m}
-    types.add(getattr(args, "rm_type", None))
+    types.add(args.rm_type)
     return sorted(t for t in types if t)
 
 

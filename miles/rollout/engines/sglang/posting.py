@@ -140,6 +140,6 @@ class DistributedPoster:
 
 def make_poster(args: Any, max_concurrency: int = 1000) -> LocalPoster | DistributedPoster:
     """The poster `args` ask for (--use-distributed-post)."""
-    if getattr(args, "use_distributed_post", False):
+    if args.use_distributed_post:
         return DistributedPoster(max_concurrency=max_concurrency)
     return LocalPoster()
