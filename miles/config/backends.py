@@ -1,4 +1,6 @@
-"""Names the training-backend flags accept, and the device each one needs (torch-free).
+"""Names the backend flags accept (torch-free): the training backends and the device each one needs, and the
+built-in rollout functions (`--rollout-function-path`; the rollout hooks and their config rules read them here, so
+the rules import no rollout code).
 
 `--distributed-backend` / `--fsdp-cpu-backend` take torch.distributed backend names
 (`torch.distributed.Backend.backend_list`); `--fsdp-attention-backend` takes diffusers' attention
