@@ -5,7 +5,7 @@ the rules import no rollout code).
 `--distributed-backend` / `--fsdp-cpu-backend` take torch.distributed backend names
 (`torch.distributed.Backend.backend_list`); `--fsdp-attention-backend` takes diffusers' attention
 backend names (`diffusers.models.attention_dispatch.AttentionBackendName`). Both lists are kept here
-so the config can check them before torch is imported; tests/config/test_backends.py checks them
+so the config can check them before torch is imported; tests/training/test_parallel_units.py checks them
 against the installed torch and diffusers.
 """
 
