@@ -28,8 +28,8 @@ def main() -> int:
 
     import ray
 
+    from miles.builtin.checkpoints import ensure_checkpoint
     from miles.config.resolve import resolve
-    from miles.models.checkpoints import ensure_checkpoint
     from miles.rollout.manager import RolloutManager, build_requests
     from miles.utils.sglang_env import resolve_sglang_python
 

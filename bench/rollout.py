@@ -24,8 +24,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     opts = parser.parse_args()
 
+    from miles.builtin.checkpoints import ensure_checkpoint
     from miles.config.resolve import resolve
-    from miles.models.checkpoints import ensure_checkpoint
     from miles.rollout.engines.base import GenerateRequest
     from miles.rollout.engines.diffusers_engine import DiffusersEngine
 

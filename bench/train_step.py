@@ -25,8 +25,8 @@ def main() -> int:
     opts = parser.parse_args()
 
     from miles.algorithms.policy_loss import policy_loss
+    from miles.builtin.checkpoints import ensure_checkpoint
     from miles.config.resolve import resolve
-    from miles.models.checkpoints import ensure_checkpoint
     from miles.rollout.manager import RolloutManager
     from miles.rollout.sde import sde_step
     from miles.training.model import family_of, load_transformer

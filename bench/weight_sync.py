@@ -34,8 +34,8 @@ from bench_timing import interleaved_medians
 
 
 def job_args(backend: str, kind: str, lora_rank: int, out: str) -> Any:
+    from miles.builtin.checkpoints import ensure_checkpoint
     from miles.config.resolve import resolve
-    from miles.models.checkpoints import ensure_checkpoint
 
     cli: dict[str, Any] = {
         "hf_checkpoint": str(ensure_checkpoint("tiny-sd3")),

@@ -26,7 +26,8 @@ def digits(
 ) -> None:
     """Write scikit-learn's digits as prompt JSONL (train/test) and a 64x64 image+caption SFT set."""
     if out is None:
-        from miles.data.builtin import builtin_dataset_names, resolve_dataset
+        from miles.builtin.datasets import resolve_dataset
+        from miles.builtin.names import builtin_dataset_names
 
         paths = {spec: resolve_dataset(spec) for spec in builtin_dataset_names() if spec.startswith("digits:")}
     else:
@@ -49,7 +50,8 @@ def digits_video(
     """Write moving digits (one digit crossing a 64x64 frame in 9 frames, in a prompted direction) as prompt
     JSONL (train/test/labels) and a video+caption SFT set of animated WebPs."""
     if out is None:
-        from miles.data.builtin import builtin_dataset_names, resolve_dataset
+        from miles.builtin.datasets import resolve_dataset
+        from miles.builtin.names import builtin_dataset_names
 
         paths = {spec: resolve_dataset(spec) for spec in builtin_dataset_names() if spec.startswith("digits-video:")}
     else:

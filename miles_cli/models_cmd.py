@@ -38,7 +38,7 @@ def build(
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if the checkpoint exists.")] = False,
 ) -> None:
     """Build NAME offline and deterministically; print the build time and the classifier accuracy."""
-    from miles.models.checkpoints import BUILTIN_MODELS, builtin_checkpoint_dir, is_complete
+    from miles.builtin.checkpoints import BUILTIN_MODELS, builtin_checkpoint_dir, is_complete
     from miles.models.tiny.metadata import read_metadata
 
     if name not in BUILTIN_MODELS:
@@ -63,7 +63,7 @@ def build(
         if out is not None and not complete:
             raise ConfigError(f"{where}: --force only replaces a {name} checkpoint, and this is not one")
         shutil.rmtree(target)
-    from miles.models.checkpoints import TINY_BUILDERS, tiny_builder
+    from miles.builtin.checkpoints import TINY_BUILDERS, tiny_builder
     from miles.utils.paths import file_lock
 
     if name not in TINY_BUILDERS:

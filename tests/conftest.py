@@ -69,7 +69,7 @@ def local_ray():
 
 @pytest.fixture(scope="session")
 def tiny_sd3_dir(miles_session_home: Path) -> Path:
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.builtin.checkpoints import ensure_checkpoint
 
     path = ensure_checkpoint("tiny-sd3", progress=False)
     assert path == miles_session_home / "models" / "tiny-sd3"
@@ -78,14 +78,14 @@ def tiny_sd3_dir(miles_session_home: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_flux_dir(miles_session_home: Path) -> Path:
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.builtin.checkpoints import ensure_checkpoint
 
     return ensure_checkpoint("tiny-flux", progress=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_image_dir(miles_session_home: Path) -> Path:
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.builtin.checkpoints import ensure_checkpoint
 
     return ensure_checkpoint("tiny-qwen-image", progress=False)
 

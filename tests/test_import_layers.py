@@ -3,12 +3,15 @@ itself back through others.
 
 Every import counts, including the ones inside functions (a lazy import is still a dependency); only the
 imports under `if TYPE_CHECKING:` (annotations) do not. What a lower floor needs from a higher one it names by
-dotted path (like `TEACHER_BUILDER` or the method table's `impl`), resolved at run time.
+dotted path (like `miles.core.inputs.ENSURE_INPUT` or the method table's `impl`), resolved at run time.
 
 The floors, lowest first (the root modules `miles/methods.py`, the method table, sit on the ground floor):
 
-    core < utils < io < data < models < placement < config < rollout < algorithms < training < memory < preflight
-    < runtime
+    core < utils < io < data < models < placement < config < rollout < algorithms < training < builtin < memory
+    < preflight < runtime
+
+A torch-free table may sit below its package (`MODULE_FLOORS`): `builtin/names.py`, the catalogue of the embedded
+default, is on the floor of utils, so the config's rules and the models' metadata may read the built-in names.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ ORDER = (
     "rollout",
     "algorithms",
     "training",
+    "builtin",
     "memory",
     "preflight",
     "runtime",
 )
 GROUND_MODULES = ("methods",)  # miles/<name>.py: on the floor of core
+# package.module -> the floor it sits on, below its package's (a table the lower floors read)
+MODULE_FLOORS = {"builtin.names": "utils"}
 
 
 def _floor(name: str) -> int:
@@ -71,16 +77,29 @@ def _package(path: Path, root: Path) -> str:
     return path.relative_to(root).parts[0].removesuffix(".py")
 
 
+def _module_floor(parts: list[str]) -> int | None:
+    """The floor of `miles.<package>.<module>...` when MODULE_FLOORS places it below its package."""
+    own = MODULE_FLOORS.get(".".join(parts[1:3]))
+    return None if own is None else _floor(own)
+
+
 def upward_imports(layer: str, root: Path = MILES) -> list[str]:
     bad = []
     paths = [root / f"{layer}.py"] if layer in GROUND_MODULES else sorted((root / layer).rglob("*.py"))
     for path in paths:
+        mine = _module_floor(["miles", *path.relative_to(root).with_suffix("").parts])
+        floor = _floor(layer) if mine is None else mine
         for line, module in _imports(path):
             parts = module.split(".")
-            if parts[0] != "miles" or len(parts) < 2 or parts[1] == layer:
+            if parts[0] != "miles" or len(parts) < 2 or (parts[1] == layer and mine is None):
                 continue
             target = parts[1]
-            if (target in ORDER or target in GROUND_MODULES) and _floor(target) > _floor(layer):
+            theirs = _module_floor(parts)
+            if theirs is not None:
+                if theirs > floor:
+                    bad.append(f"{path.relative_to(root.parent)}:{line} imports {'.'.join(parts[:3])}")
+                continue
+            if (target in ORDER or target in GROUND_MODULES) and _floor(target) > floor:
                 bad.append(f"{path.relative_to(root.parent)}:{line} imports {'.'.join(parts[:2])}")
             elif target not in ORDER and target not in GROUND_MODULES and (root / target).is_dir():
                 bad.append(f"{path.relative_to(root.parent)}:{line} imports {target}, which has no floor")
@@ -104,6 +123,16 @@ def test_the_check_sees_function_level_imports(tmp_path):
     pkg.mkdir(parents=True)
     (pkg / "x.py").write_text("def f():\n    from miles.training.trainer import Trainer\n    return Trainer\n")
     assert upward_imports("models", tmp_path / "miles") == ["miles/models/x.py:2 imports miles.training"]
+
+
+def test_a_table_below_its_package_is_checked_on_its_own_floor(tmp_path: Path) -> None:
+    root = tmp_path / "miles"
+    for package in ("builtin", "data"):
+        (root / package).mkdir(parents=True)
+    (root / "builtin" / "names.py").write_text("from miles.utils.paths import data_dir\nfrom miles.models import x\n")
+    (root / "data" / "d.py").write_text("from miles.builtin.names import N\nfrom miles.builtin.checkpoints import e\n")
+    assert upward_imports("builtin", root) == ["miles/builtin/names.py:2 imports miles.models"]
+    assert upward_imports("data", root) == ["miles/data/d.py:2 imports miles.builtin"]
 
 
 def module_graph(root: Path = MILES) -> dict[str, set[str]]:

@@ -7,9 +7,9 @@ from typing import Any
 from miles.config.args import DEFAULT, Args
 from miles.config.catalog import ALL_FLAGS
 
-_EXTRA_ORDER = ("custom", "sglang_args")
-# The YAML itself is what --custom-config-path will point at.
-_NOT_EXPORTED = frozenset({"custom_config_path"})
+_EXTRA_ORDER = ("custom", "sglang_args", "inputs")
+# The YAML itself is what --custom-config-path will point at; `inputs` is derived again from the flags it names.
+_NOT_EXPORTED = frozenset({"custom_config_path", "inputs"})
 
 
 def arg_order() -> list[str]:

@@ -12,6 +12,9 @@ from miles.core.errors import ConfigError
 
 # Fields that are not flags but travel with the args.
 EXTRA_FIELDS: dict[str, Any] = {"custom": {}, "sglang_args": {}}
+# Fields only the rules write (never a recipe, the command line or a YAML): `inputs`, the built-in names among the
+# job's model and data flags -> where they live under $MILES_HOME (`miles.config.rules.inputs`).
+DERIVED_FIELDS: dict[str, Any] = {"inputs": {}}
 
 _SOURCE_WORDS = {DEFAULT: "default", RECIPE: "from the recipe", CLI: "on the command line", YAML: "from the YAML"}
 
@@ -23,6 +26,7 @@ class Resolution:
         self.job = job
         self.values: dict[str, Any] = {f.dest: copy.deepcopy(f.default) for f in ALL_FLAGS}
         self.values.update(copy.deepcopy(EXTRA_FIELDS))
+        self.values.update(copy.deepcopy(DERIVED_FIELDS))
         self.sources: dict[str, str] = dict.fromkeys(self.values, DEFAULT)
         self.warnings: list[str] = []
         # Raw per-role overrides, parsed: {role: {dest: value}}, with where each came from.
@@ -74,9 +78,10 @@ def _option(dest: str) -> str:
 
 
 def schema_args(job: str = "rl", **values: Any) -> Args:
-    """The catalogue's defaults, unresolved (no recipe, no rules: a derived flag such as `--rollout-backend` keeps
-    its `auto`), with `values` on top (source `cli`). For a caller of one function (tests, benches) that needs
-    real `Args` without a whole job; a job's args come from `miles.config.resolve.resolve`."""
+    """The catalogue's defaults, unresolved (no recipe, no rules but `inputs`: a derived flag such as
+    `--rollout-backend` keeps its `auto`), with `values` on top (source `cli`). For a caller of one function
+    (tests, benches) that needs real `Args` without a whole job; a job's args come from
+    `miles.config.resolve.resolve`."""
     from miles.config.flags import closest
 
     res = Resolution(job)
@@ -85,4 +90,7 @@ def schema_args(job: str = "rl", **values: Any) -> Args:
             hint = closest(name, list(res.values))
             raise ConfigError(f"no argument named {name!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
         res.set(name, value, CLI)
+    from miles.config.rules.inputs import derive_inputs
+
+    derive_inputs(res)  # where its built-in names live, as every job's first rule derives it
     return res.to_args()

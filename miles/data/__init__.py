@@ -1,5 +1,2 @@
-"""Data sets. Built-in ones are named `NAME:PART` (e.g. `digits:train`); see `builtin`."""
-
-from miles.data.builtin import BUILTIN_DATASETS, is_builtin_dataset, resolve_dataset
-
-__all__ = ["BUILTIN_DATASETS", "is_builtin_dataset", "resolve_dataset"]
+"""The digits: the deterministic split of sklearn's digits and the moving-digits videos, and their writers.
+The built-in data sets they make (`digits:train`, ...) are named and built by `miles.builtin`."""

@@ -25,19 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
+from miles.builtin.names import DATASET_FILES
+
 IMAGE_SIZE = 64
 DIGIT_SIZE = 8
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 FORMAT_VERSION = 2
 PROMPT_TEMPLATE = "a handwritten digit {label}"
-FILES = {
-    "train": "train.jsonl",
-    "test": "test.jsonl",
-    "labels": "labels.jsonl",
-    "sft": "sft/train.jsonl",
-    "sft-test": "sft/test.jsonl",
-}
+MANIFEST = "digits.json"
+FILES = DATASET_FILES  # the part -> its file (one table for every built-in set: miles.builtin.names)
 NUM_LABELS = 10
 
 
@@ -143,5 +140,5 @@ def write_digits_data(out_dir: str | Path, seed: int = SPLIT_SEED) -> dict[str, 
         "prompt_template": PROMPT_TEMPLATE,
         "files": FILES,
     }
-    (out / "digits.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return {name: out / rel for name, rel in FILES.items()}

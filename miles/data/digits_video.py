@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from miles.builtin.names import DATASET_FILES
 from miles.data.digits import DIGIT_SIZE, SPLIT_SEED, load_digits_split, upsample_digits, write_jsonl
 
 VIDEO_SIZE = 64
@@ -46,13 +47,7 @@ MIN_TRAVEL = 0.1  # of the frame size: less net centroid motion than this reads 
 VIDEO_FPS = 8
 FORMAT_VERSION = 1
 MANIFEST = "digits-video.json"
-FILES = {
-    "train": "train.jsonl",
-    "test": "test.jsonl",
-    "labels": "labels.jsonl",
-    "sft": "sft/train.jsonl",
-    "sft-test": "sft/test.jsonl",
-}
+FILES = DATASET_FILES  # the part -> its file (miles.builtin.names)
 
 
 def prompt_for(label: int, direction: str) -> str:

@@ -49,10 +49,10 @@ def config_dir_for(checkpoint: str | os.PathLike, family: Any) -> Path | None:
     """A local checkpoint directory (its own configs) when `checkpoint` is one (a built-in name such as `tiny-sd3`:
     its built directory, once built), else the family's shipped configs for that name, else None (an HF id whose
     configs miles does not ship)."""
-    from miles.models.checkpoints import builtin_checkpoint_dir, is_builtin_model
+    from miles.builtin.names import builtin_path, is_builtin_model
 
     name = os.fspath(checkpoint)
-    local = builtin_checkpoint_dir(name) if is_builtin_model(name) else Path(os.path.expanduser(name))
+    local = builtin_path(name) if is_builtin_model(name) else Path(os.path.expanduser(name))
     if (local / MODEL_INDEX).is_file():
         return local
     return shipped_config_dir(family, name)

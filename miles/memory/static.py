@@ -379,7 +379,7 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
         checkpoint = str(role_args.hf_checkpoint)
         config_dir = config_dir_for(checkpoint, family)
         if config_dir is None:
-            from miles.models.checkpoints import is_builtin_model
+            from miles.builtin.names import is_builtin_model
 
             if is_builtin_model(checkpoint):
                 raise LookupError(

@@ -167,9 +167,10 @@ def save_digit_classifier(classifier: Any, metadata: dict[str, Any], out_dir: st
 def classifier_dir(path: str | Path | None = None) -> Path:
     """The classifier folder for a checkpoint dir, a classifier dir, or (None) the default tiny-sd3."""
     if path is None:
-        from miles.models.checkpoints import ensure_checkpoint
+        from miles.builtin.names import TINY_SD3_NAME, builtin_path
+        from miles.core.inputs import ensure_builtin
 
-        path = ensure_checkpoint("tiny-sd3")
+        path = ensure_builtin(TINY_SD3_NAME, builtin_path(TINY_SD3_NAME))
     path = Path(path)
     return path if (path / CLASSIFIER_FILE).exists() else path / CLASSIFIER_DIRNAME
 

@@ -34,12 +34,12 @@ def denoiser_components(family: Any) -> tuple[str, ...]:
 
 def local_checkpoint_dir(name_or_path: str | os.PathLike) -> Path | None:
     """The local folder of a checkpoint (built-in name, directory, or cached hub snapshot), else None."""
-    from miles.models.checkpoints import builtin_checkpoint_dir, is_builtin_model
+    from miles.builtin.names import builtin_path, is_builtin_model
     from miles.models.hub_cache import cached_snapshot, looks_like_hub_id
 
     name = str(name_or_path)
     if is_builtin_model(name):
-        folder = builtin_checkpoint_dir(name)
+        folder = builtin_path(name)
         return folder if folder.is_dir() else None
     path = Path(name).expanduser()
     if path.is_dir():

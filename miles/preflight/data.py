@@ -32,7 +32,7 @@ _REMEDY = "fix or remove that line"
 
 
 def _builtin(spec: Any) -> bool:
-    from miles.data.builtin import is_builtin_dataset
+    from miles.builtin.names import is_builtin_dataset
 
     return is_builtin_dataset(spec)
 

@@ -143,7 +143,8 @@ def check_model_paths(resolved: ResolvedJob) -> list[str]:
 
 def model_path_problem(value: str, layout: Layout) -> str | None:
     """What is wrong with one model path (None: it loads without the network)."""
-    from miles.models.checkpoints import BUILTIN_MODELS, builtin_checkpoint_dir, is_builtin_model, is_complete
+    from miles.builtin.checkpoints import builtin_checkpoint_dir, is_complete
+    from miles.builtin.names import BUILTIN_MODELS, is_builtin_model
 
     if is_builtin_model(value):
         folder = builtin_checkpoint_dir(value)

@@ -46,11 +46,14 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-def resolve_prompt_data(spec: str | os.PathLike) -> Path:
-    """The file behind `--prompt-data`: a built-in data set name (generated on first use) or a path."""
-    from miles.data.builtin import resolve_dataset  # lazy: built-ins may generate their data
+def resolve_prompt_data(args: Any, spec: str | os.PathLike) -> Path:
+    """The file behind `--prompt-data` (or an eval set): the path a built-in name was resolved to
+    (`args.inputs`), or the path given."""
+    from miles.core.inputs import input_path
 
-    return Path(resolve_dataset(spec))
+    path = input_path(args, spec)
+    assert path is not None
+    return path
 
 
 def num_rollout_for(args: Any, dataset_size: int) -> int:
@@ -97,7 +100,7 @@ class RolloutDataSource:
 
         spec = args.prompt_data
         if spec is not None and not args.disable_rollout_global_dataset:
-            self.path = resolve_prompt_data(spec)
+            self.path = resolve_prompt_data(args, spec)
             self.dataset = load_prompt_jsonl(
                 self.path,
                 input_key=getattr(args, "input_key", None) or "input",

@@ -151,7 +151,7 @@ def _positive_int(value: Any, where: str) -> int:
 
 def eval_groups(args: Any, dataset: EvalDataset) -> list[list[Sample]]:
     key = args.eval_input_key or args.input_key
-    records = load_prompt_jsonl(resolve_prompt_data(dataset.path), key, args.metadata_key)
+    records = load_prompt_jsonl(resolve_prompt_data(args, dataset.path), key, args.metadata_key)
     groups, index = [], 0
     n = dataset.n_samples_per_prompt
     for g, record in enumerate(records):
@@ -183,8 +183,8 @@ def eval_metrics(args: Any, name: str, samples: list[Sample]) -> dict[str, float
 
 
 def _classifier_for(args: Any) -> Any:
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.core.inputs import input_path
     from miles.rollout.rm_hub.digit import CLASSIFIER_DIRNAME, load_digit_classifier
 
-    own = ensure_checkpoint(args.hf_checkpoint) / CLASSIFIER_DIRNAME
+    own = input_path(args, args.hf_checkpoint) / CLASSIFIER_DIRNAME
     return load_digit_classifier(own if own.is_dir() else None)

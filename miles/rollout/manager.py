@@ -50,9 +50,9 @@ def trained_expert_steps(args: Any, num_steps: int) -> list[int] | None:
 
     import diffusers
 
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.core.inputs import input_path
 
-    checkpoint = ensure_checkpoint(args.hf_checkpoint)
+    checkpoint = input_path(args, args.hf_checkpoint)
     family.bind_checkpoint(checkpoint)
     config = json.loads((checkpoint / "scheduler" / "scheduler_config.json").read_text())
     scheduler = getattr(diffusers, config["_class_name"]).from_config(config)

@@ -132,20 +132,6 @@ def prepare_output_dir(resolved: ResolvedJob) -> Path:
     return out
 
 
-def prepare_inputs(args: Any) -> None:
-    """Build what the job starts from when it is missing (the embedded model, built-in data sets),
-    here in the driver, with a progress bar, before any engine or trainer process needs it."""
-    from miles.data.builtin import is_builtin_dataset, resolve_dataset
-    from miles.models.checkpoints import ensure_checkpoint
-
-    for checkpoint in {args.hf_checkpoint, args.teacher_checkpoint} - {None}:
-        ensure_checkpoint(checkpoint)
-    specs = [args.prompt_data, *(args.eval_prompt_data or {}).values()]
-    for spec in specs:
-        if spec is not None and is_builtin_dataset(spec):
-            resolve_dataset(spec)
-
-
 def export_final(args: Any, group: Any, what: str = "trained") -> Path:
     """Rank 0 of `group` writes the trained pipeline to `<output-dir>/checkpoint` (loadable with
     `from_pretrained`); every training job ends with it."""

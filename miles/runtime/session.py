@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.builtin.inputs import prepare_inputs
 from miles.runtime.ci_check import metrics_mark
-from miles.runtime.output import prepare_inputs, prepare_output_dir
+from miles.runtime.output import prepare_output_dir
 from miles.runtime.ray_setup import init_ray
 from miles.utils.actors import tag_for
 

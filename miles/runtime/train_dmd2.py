@@ -51,11 +51,11 @@ def check_gan_data(args: Any) -> None:
     """The GAN head's real side is the prompt data's images: its rows need an 'image' field."""
     if float(args.dmd2_gan_loss_weight) <= 0:
         return
-    from miles.data.builtin import is_builtin_dataset, resolve_dataset
+    from miles.core.inputs import input_path
     from miles.rollout.data_source import iter_jsonl_objects
 
     spec = args.prompt_data
-    path = resolve_dataset(spec) if is_builtin_dataset(spec) else Path(spec)
+    path = input_path(args, spec)
     for where, _, row in iter_jsonl_objects(path, "prompt data"):
         if "image" not in row:
             raise ConfigError(

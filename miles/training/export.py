@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from miles.models.checkpoints import ensure_checkpoint
+from miles.core.inputs import input_path
 from miles.utils.paths import atomic_directory
 
 
 def local_pipeline_dir(checkpoint: str | os.PathLike) -> Path | None:
     """The local directory of a checkpoint: itself, or its copy in the Hugging Face cache (no download)."""
-    path = ensure_checkpoint(checkpoint)
+    path = Path(checkpoint)
     if path.is_dir():
         return path
     try:
@@ -37,7 +37,7 @@ def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_
     (cheap for SD3.5-class models); when the base is not on this machine only the transformer is written."""
     from miles.models.loading import quiet_loading
 
-    base = local_pipeline_dir(args.hf_checkpoint)
+    base = local_pipeline_dir(input_path(args, args.hf_checkpoint))
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)

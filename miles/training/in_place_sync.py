@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,12 +73,12 @@ class SglangExpectations:
     parameter. A LoRA adapter merges onto the checkpoint's weights (the base of every sync of a LoRA run)."""
 
     def __init__(self, args: Any) -> None:
-        from miles.models.checkpoints import ensure_checkpoint
+        from miles.core.inputs import input_path
         from miles.rollout.engines.sglang.sync import transformer_layout
         from miles.training.model import DTYPES, family_of
 
         self.family = family_of(args)  # sglang's port may hold some tensors fused (qwen_image's text q/k/v)
-        checkpoint = Path(ensure_checkpoint(args.hf_checkpoint))
+        checkpoint = input_path(args, args.hf_checkpoint)
         self.family.bind_checkpoint(checkpoint)  # the layout may depend on the checkpoint (cosmos3's MLP kind)
         self.params, self.linears = transformer_layout(checkpoint)
         self.dtype = DTYPES[args.diffusion_forward_dtype]

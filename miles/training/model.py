@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from miles.models.checkpoints import ensure_checkpoint
+from miles.core.inputs import input_path
 from miles.models.families import args_family
 from miles.models.loading import DTYPE_NAMES, torch_dtype
 from miles.models.lora_sync import merge_lora_weight
@@ -68,7 +68,7 @@ def model_backend(args: Any, family: TrainPipelineConfig) -> ModelBackend:
 def load_transformer(args: Any, family: TrainPipelineConfig, checkpoint: Any = None) -> torch.nn.Module:
     """The DiT (the family's denoiser: the transformer, or the experts `--update-weight-target-module` names)
     in the master dtype (`--fsdp-master-dtype`), in train mode."""
-    checkpoint = ensure_checkpoint(checkpoint if checkpoint is not None else args.hf_checkpoint)
+    checkpoint = input_path(args, checkpoint if checkpoint is not None else args.hf_checkpoint)
     backend = model_backend(args, family)
     model = backend.load_denoiser(os.fspath(checkpoint), DTYPES[args.fsdp_master_dtype], target_components(args))
     if not isinstance(model, torch.nn.Module):

@@ -96,17 +96,16 @@ def _load_pixels(root: Path, row: dict[str, Any], size: tuple[int, int], stride:
 
 @torch.no_grad()
 def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
-    from miles.data.builtin import is_builtin_dataset, resolve_dataset
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.core.inputs import input_path
     from miles.models.loading import quiet_loading
     from miles.models.tiny.metadata import max_sequence_length
     from miles.training.model import family_of
 
     spec = args.prompt_data
-    path = resolve_dataset(spec) if is_builtin_dataset(spec) else Path(spec)
+    path = input_path(args, spec)
     rows = read_rows(path, args.input_key)
     family = family_of(args)
-    checkpoint = ensure_checkpoint(args.sft_encoder_checkpoint or args.hf_checkpoint)
+    checkpoint = input_path(args, args.sft_encoder_checkpoint or args.hf_checkpoint)
     family.bind_checkpoint(checkpoint)  # what the latent layout reads from it (e.g. LTX-2's audio planes)
     with quiet_loading():
         pipe = family.load_pipeline_class().from_pretrained(checkpoint, transformer=None, dtype=torch.float32)

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
+from miles.builtin.datasets import resolve_dataset
+from miles.builtin.names import is_builtin_dataset
 from miles.core.errors import ConfigError
-from miles.data import is_builtin_dataset, resolve_dataset
 from miles.data.digits import downsample_to_digits, load_digits_split, prompt_for, upsample_digits
 
 

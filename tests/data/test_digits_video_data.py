@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from miles.data import is_builtin_dataset, resolve_dataset
-from miles.data.builtin import builtin_dataset_names
+from miles.builtin.datasets import resolve_dataset
+from miles.builtin.names import builtin_dataset_names, is_builtin_dataset
 from miles.data.digits_video import (
     DIRECTIONS,
     FORMAT_VERSION,

@@ -73,8 +73,8 @@ def test_rollout_only_then_replay(family, tmp_path: Path) -> None:
     assert row["train/log_prob_mean_abs_diff"] <= 1e-5, name  # the rollout's policy, recomputed by the trainer
 
     # `miles eval` of the checkpoint on two of the recipe's own prompts
+    from miles.builtin.datasets import resolve_dataset
     from miles.config.resolve import resolve
-    from miles.data import resolve_dataset
 
     spec = resolve("rl", recipe=RECIPES[name], cli={"hf_checkpoint": str(checkpoint)}).args.prompt_data
     two = tmp_path / "two.jsonl"

@@ -23,7 +23,7 @@ ROWS = 12
 @pytest.fixture(scope="module")
 def small_sets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(SFT rows, eval prompts): the first 12 `digits:sft` rows (absolute image paths), two eval prompts."""
-    from miles.data.builtin import resolve_dataset
+    from miles.builtin.datasets import resolve_dataset
 
     source = Path(resolve_dataset("digits:sft"))
     root = tmp_path_factory.mktemp("sft_sets")

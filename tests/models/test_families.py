@@ -208,11 +208,11 @@ def test_untrainable_family_is_a_config_error(user_module):
 def test_torch_free_imports():
     code = (
         "import sys\n"
-        "import miles.models.families as f, miles.models.checkpoints, miles.models.sd3\n"
+        "import miles.models.families as f, miles.builtin.checkpoints, miles.models.sd3\n"
         "import miles.models.tiny.metadata as t\n"
-        "import miles.data, miles_cli.models_cmd, miles_cli.data_cmd\n"
+        "import miles.builtin.names as names, miles_cli.models_cmd, miles_cli.data_cmd\n"
         "assert f.resolve_family('tiny-sd3', env={}).name == 'sd3'\n"
-        "assert miles.data.is_builtin_dataset('digits:train')\n"
+        "assert names.is_builtin_dataset('digits:train')\n"
         "assert t.max_sequence_length('tiny-sd3') == 8\n"
         "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'sklearn', 'numpy') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.models.checkpoints import is_complete
-from miles.models.digits_teachers import SFT_TEACHERS, STAMP_FILE, built_base_design, built_steps
+from miles.builtin.checkpoints import is_complete
+from miles.builtin.teachers import SFT_TEACHERS, STAMP_FILE, built_base_design, built_steps
 from miles.models.tiny.metadata import METADATA_FILE, TINY_METADATA_FILE, built_design, current_design
 
 SHORT = "tiny-sd3-digits-sft-short"
@@ -52,7 +52,7 @@ def test_a_recipe_start_checkpoint_is_built_on_first_use_then_reused(
     instead of 525), exported whole, stamped, and found again without a rebuild."""
     from safetensors.torch import load_file
 
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.builtin.checkpoints import ensure_checkpoint
 
     (miles_home / "models").mkdir()
     (miles_home / "models" / "tiny-sd3").symlink_to(tiny_sd3_dir)  # the session's build, not a second one
@@ -111,7 +111,7 @@ def test_ensure_checkpoint_rebuilds_an_outdated_cached_build(
 ) -> None:
     """The cache logic, with a stand-in builder (the real one takes minutes): an older design in
     $MILES_HOME/models is replaced, today's design is reused."""
-    from miles.models import checkpoints
+    from miles.builtin import checkpoints
 
     monkeypatch.setitem(checkpoints.TINY_BUILDERS, WAN, f"{__name__}:_stand_in_build")
     cached = _tiny_build(miles_home / "models" / WAN, None)

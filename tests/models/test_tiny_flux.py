@@ -224,7 +224,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_ensure_checkpoint_builds_tiny_flux(miles_home, monkeypatch):
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.builtin.checkpoints import ensure_checkpoint
     from miles.models.flux import tiny
 
     calls: list[int] = []

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from miles.builtin.checkpoints import ensure_checkpoint
 from miles.core.errors import ConfigError
-from miles.models.checkpoints import ensure_checkpoint
 from miles.models.tiny.metadata import METADATA_FILE, default_resolution, max_sequence_length, read_metadata
 
 COMPONENTS = ("transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "text_encoder_3")

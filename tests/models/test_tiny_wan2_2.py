@@ -24,7 +24,7 @@ def test_import_is_torch_free():
 
 
 def test_registered():
-    from miles.models.checkpoints import TINY_BUILDERS, tiny_builder
+    from miles.builtin.checkpoints import TINY_BUILDERS, tiny_builder
     from miles.models.wan2_2.tiny import build_tiny_wan2_2
 
     assert TINY_BUILDERS["tiny-wan2_2"] == "miles.models.wan2_2.tiny:build_tiny_wan2_2"
@@ -120,7 +120,7 @@ def test_layout_and_metadata(tiny_wan2_2_dir):
 
 @pytest.mark.extended  # the full build (its VAE fit: minutes); the session fixture fits 40 steps only
 def test_reconstruction_scores_stored_and_good():
-    from miles.models.checkpoints import ensure_checkpoint
+    from miles.builtin.checkpoints import ensure_checkpoint
     from miles.models.tiny.metadata import read_metadata
 
     path = ensure_checkpoint("tiny-wan2_2", progress=False)

@@ -251,8 +251,8 @@ def test_dispatch_mixed_types_batches_each_type_once(tiny_clip, digit_ckpt, digi
 
 
 def test_dispatch_digit_from_builtin_checkpoint_name(digit_ckpt, digit_images, monkeypatch):
-    """`--hf-checkpoint tiny-sd3` resolves through miles.models.checkpoints.ensure_checkpoint."""
-    import miles.models.checkpoints as checkpoints
+    """`--hf-checkpoint tiny-sd3` resolves through miles.builtin.checkpoints.ensure_checkpoint."""
+    import miles.builtin.checkpoints as checkpoints
 
     seen = []
 

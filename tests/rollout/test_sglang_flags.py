@@ -96,7 +96,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, list
     info = {"url": "http://127.0.0.1:30000", "pid": 1, "log": "log", "start_seconds": 1.0}
     monkeypatch.setattr(engine_module, "engine_actor_class", lambda: Recorder(made["engines"], info))
     monkeypatch.setattr("miles.utils.sglang_env.resolve_sglang_python", lambda explicit: "python")
-    monkeypatch.setattr("miles.models.checkpoints.ensure_checkpoint", lambda name: tmp_path)
+    monkeypatch.setattr("miles.core.inputs.input_path", lambda args, value: tmp_path)
     monkeypatch.setattr("miles.models.tiny.metadata.max_sequence_length", lambda path, default: default)
     monkeypatch.setattr("miles.rollout.router.MilesRouter", FakeRouter)
     monkeypatch.setattr(rollout_module, "served_checkpoint", lambda path, shift, root: path)

@@ -203,7 +203,7 @@ def test_lora_adapter_without_lora_a_is_rejected(tmp_path: Path) -> None:
 def tiny_sd3_checkpoint(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Path:
     """tiny-sd3 through `ensure_checkpoint`: the session's build, else the user's cached one (read-only),
     else the session fixture builds it (~40 s, once)."""
-    from miles.models.checkpoints import builtin_checkpoint_dir, ensure_checkpoint, is_complete
+    from miles.builtin.checkpoints import builtin_checkpoint_dir, ensure_checkpoint, is_complete
     from miles.utils.paths import DEFAULT_MILES_HOME
 
     if not is_complete(builtin_checkpoint_dir("tiny-sd3"), "tiny-sd3"):

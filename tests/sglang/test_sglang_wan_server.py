@@ -91,7 +91,7 @@ def test_sync_names_are_the_parameters_of_sglangs_wan_dit(wan_expert_dir: Path, 
 
 @pytest.fixture(scope="module")
 def tiny_wan_dir(miles_session_home: Path) -> Path:
-    from miles.models.checkpoints import ensure_checkpoint, is_builtin_model
+    from miles.builtin.checkpoints import ensure_checkpoint, is_builtin_model
 
     if not is_builtin_model("tiny-wan2_2"):
         pytest.skip("the built-in tiny-wan2_2 is not in this tree yet")

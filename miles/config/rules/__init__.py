@@ -13,6 +13,7 @@ from miles.config.rules import (
     engines,
     fault_tolerance,
     hooks,
+    inputs,
     misc,
     optimizer,
     topology,
@@ -20,6 +21,7 @@ from miles.config.rules import (
 )
 
 SHARED_RULES = (
+    *inputs.RULES,
     *topology.RULES,
     *training_backend.RULES,
     *optimizer.RULES,

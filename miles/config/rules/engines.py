@@ -89,7 +89,6 @@ def _check_family_serves_on_cpu(res: Resolution) -> None:
 def _check_family_settings_on_sglang(res: Resolution) -> None:
     """Settings under which sglang would sample something other than the family's pipeline are refused."""
     from miles.core.errors import ConfigError
-    from miles.models.checkpoints import is_builtin_model
     from miles.models.families import resolve_family
     from miles.models.tiny.metadata import TINY_MAX_SEQUENCE_LENGTH, max_sequence_length, read_metadata
 
@@ -99,11 +98,11 @@ def _check_family_settings_on_sglang(res: Resolution) -> None:
         family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
     except ConfigError:
         return
-    checkpoint = str(res["hf_checkpoint"])
-    if is_builtin_model(checkpoint) and read_metadata(checkpoint) is None:
+    built_in = res["inputs"].get(str(res["hf_checkpoint"]))  # where a built-in model lives (`inputs`)
+    if built_in is not None and read_metadata(built_in) is None:
         length = TINY_MAX_SEQUENCE_LENGTH  # not built yet: every built-in tiny model keeps its text this short
     else:
-        length = max_sequence_length(checkpoint, default=family.max_sequence_length)
+        length = max_sequence_length(built_in or res["hf_checkpoint"], default=family.max_sequence_length)
     why = family.sglang_blocker(float(res["diffusion_guidance_scale"]), res["diffusion_true_cfg_scale"], length)
     if why:
         flag = (

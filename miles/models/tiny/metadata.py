@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from miles.models.builtin_names import TINY_SD3_NAME, is_builtin_model
+from miles.builtin.names import TINY_SD3_NAME, builtin_path, is_builtin_model
 
 METADATA_FILE = "miles_tiny_sd3.json"  # tiny-sd3's (and the digits teachers') metadata file
 TINY_METADATA_FILE = "miles_tiny.json"  # every other tiny family's builds (tiny-flux, tiny-qwen-image, ...)
@@ -30,10 +30,8 @@ TINY_DESIGNS: dict[str, int] = {
 
 
 def _checkpoint_path(checkpoint: str | os.PathLike) -> Path:
-    if is_builtin_model(checkpoint):  # the tiny builds and the digits SFT start points
-        from miles.utils.paths import models_dir
-
-        return models_dir() / str(checkpoint)
+    if is_builtin_model(checkpoint):  # the tiny builds and the digits SFT start points, by name
+        return builtin_path(checkpoint)
     return Path(checkpoint).expanduser()
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from miles.core.inputs import input_path
 from miles.core.sample import Conditions, Sample, Trajectory
-from miles.models.checkpoints import ensure_checkpoint
 from miles.models.families import resolve_family
 from miles.models.loading import quiet_loading
 from miles.models.lora_sync import LoraMerger, is_lora_entry
@@ -76,7 +76,7 @@ class DiffusersEngine:
             require_trainable=False,
         )
         self.family.bind_args(args)  # run settings the forward reads (e.g. --rollout-patch-group)
-        self.checkpoint = ensure_checkpoint(args.hf_checkpoint)
+        self.checkpoint = input_path(args, args.hf_checkpoint)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # initial and SDE noise are drawn by per-sample generators on --diffusion-generator-device
         self.generator_device = generator_device(args.diffusion_generator_device, self.device)

@@ -33,6 +33,7 @@ import numbers
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
@@ -91,12 +92,20 @@ class RewardSettings:
         if frames is not None and int(frames) < 1:  # the CLI refuses it at parse time; args built in code too
             raise ConfigError(f"--pickscore-num-frames must be at least 1 (unset scores every frame), got {frames}")
         return cls(
-            hf_checkpoint=text("hf_checkpoint"),
+            hf_checkpoint=_checkpoint_dir(args),
             pickscore_model_path=text("pickscore_model_path"),
             pickscore_processor_path=text("pickscore_processor_path"),
             pickscore_batch_size=int(_arg(args, "pickscore_batch_size", 8)),
             pickscore_num_frames=None if frames is None else int(frames),
         )
+
+
+def _checkpoint_dir(args: Any) -> str | None:
+    """The local folder of `--hf-checkpoint` (a built-in name resolved through `args.inputs`)."""
+    from miles.core.inputs import input_path
+
+    path = input_path(args, _arg(args, "hf_checkpoint"))
+    return None if path is None else str(path)
 
 
 def _jpeg_scorer(negative: bool) -> Scorer:
@@ -185,10 +194,9 @@ def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) 
 def _digit_scorer(settings: RewardSettings) -> Scorer:
     """The digit reward (`rm_hub.digit.digit_reward`): an image's probability of its label; a video's, the mean
     over its frames (`[3, F, H, W]` samples are read per frame)."""
-    from miles.models.checkpoints import ensure_checkpoint
     from miles.rollout.rm_hub.digit import digit_reward, load_digit_classifier
 
-    path = None if settings.hf_checkpoint is None else ensure_checkpoint(settings.hf_checkpoint, progress=False)
+    path = None if settings.hf_checkpoint is None else Path(settings.hf_checkpoint)
     classifier = load_digit_classifier(path)
 
     def score(images: Sequence[Any], prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[float]:

@@ -61,7 +61,7 @@ class SglangRollout:
     def __init__(self, args: Any, num: int, placement: Any = None) -> None:
         import ray
 
-        from miles.models.checkpoints import ensure_checkpoint
+        from miles.core.inputs import input_path
         from miles.models.tiny.metadata import max_sequence_length
         from miles.rollout.engines.sglang.engine import engine_actor_class
         from miles.rollout.router import MilesRouter, RouterConfig
@@ -76,7 +76,7 @@ class SglangRollout:
                 "build one with scripts/build_sglang_env.sh"
             )
         self.root = Path(args.output_dir or ".") / "engines"
-        model_path = str(ensure_checkpoint(args.hf_checkpoint))
+        model_path = str(input_path(args, args.hf_checkpoint))
         self.family = engine_family(args)  # what differs per family: payloads, parsing, weight layout
         self.family.bind_checkpoint(model_path)  # the layout may depend on the checkpoint (cosmos3's MLP kind)
         self.max_sequence_length = max_sequence_length(model_path, default=self.family.max_sequence_length)
@@ -424,9 +424,9 @@ class SglangRollout:
         """The safetensors files of the weights a LoRA adapter goes on: the last full sync's, else the
         checkpoint's (of module `target`)."""
         if target not in self._base_dir:
-            from miles.models.checkpoints import ensure_checkpoint
+            from miles.core.inputs import input_path
 
-            self._base_dir[target] = Path(ensure_checkpoint(self.args.hf_checkpoint)) / target
+            self._base_dir[target] = input_path(self.args, self.args.hf_checkpoint) / target
         return sorted(self._base_dir[target].glob("*.safetensors"))
 
     def _lora_base_sha(self, target: str = "transformer") -> dict[str, str]:
@@ -449,10 +449,10 @@ class SglangRollout:
 
     def _param_layout(self, target: str) -> tuple[frozenset[str], frozenset[str]]:
         if target not in self._layouts:
-            from miles.models.checkpoints import ensure_checkpoint
+            from miles.core.inputs import input_path
             from miles.rollout.engines.sglang.sync import transformer_layout
 
-            self._layouts[target] = transformer_layout(ensure_checkpoint(self.args.hf_checkpoint), target)
+            self._layouts[target] = transformer_layout(input_path(self.args, self.args.hf_checkpoint), target)
         return self._layouts[target]
 
     def _checksums(self) -> list[str]:

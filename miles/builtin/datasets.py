@@ -13,7 +13,7 @@
     digits-video:sft       SFT video+caption JSONL ({"video": rel_webp, "input": ...}; 9 frames, 64x64)
     digits-video:sft-test  the same for the test split
 
-`is_builtin_dataset` is cheap and imports nothing heavy (the config validator calls it).
+The names and file layout are `miles.builtin.names`'s (torch-free); this module writes them.
 """
 
 from __future__ import annotations
@@ -21,32 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {
-    "digits": ("train", "test", "labels", "sft", "sft-test"),
-    "digits-video": ("train", "test", "labels", "sft", "sft-test"),
-}
-_MANIFEST = {"digits": "digits.json", "digits-video": "digits-video.json"}
-# name -> (module, writer): the module has FORMAT_VERSION and FILES; writer(out_dir) writes the whole set
-_WRITERS = {
-    "digits": ("miles.data.digits", "write_digits_data"),
-    "digits-video": ("miles.data.digits_video", "write_digits_video_data"),
-}
-
-
-def _parse(spec: str) -> tuple[str, str] | None:
-    name, sep, part = str(spec).partition(":")
-    if not sep or name not in BUILTIN_DATASETS or part not in BUILTIN_DATASETS[name]:
-        return None
-    return name, part
-
-
-def is_builtin_dataset(spec: str | os.PathLike) -> bool:
-    """True for a built-in data set name such as "digits:train" (no file access, no imports)."""
-    return _parse(str(spec)) is not None
-
-
-def builtin_dataset_names() -> list[str]:
-    return [f"{name}:{part}" for name, parts in BUILTIN_DATASETS.items() for part in parts]
+from miles.builtin.names import BUILTIN_DATASETS, DATASET_WRITERS, builtin_dataset_names, builtin_path, parse_dataset
 
 
 def resolve_dataset(spec: str | os.PathLike) -> Path:
@@ -55,7 +30,7 @@ def resolve_dataset(spec: str | os.PathLike) -> Path:
     A spec that looks built-in (`digits:...`) but names an unknown part is a ConfigError.
     """
     spec = str(spec)
-    parsed = _parse(spec)
+    parsed = parse_dataset(spec)
     if parsed is None:
         name, sep, _ = spec.partition(":")
         if sep and name in BUILTIN_DATASETS:
@@ -65,17 +40,17 @@ def resolve_dataset(spec: str | os.PathLike) -> Path:
                 f"unknown built-in data set {spec!r}; built-in data sets: {', '.join(builtin_dataset_names())}"
             )
         return Path(spec).expanduser()
-    name, part = parsed
+    name = parsed[0]
     import importlib
 
     from miles.utils.paths import atomic_directory, data_dir, file_lock
 
-    module_name, writer = _WRITERS[name]
+    module_name, writer = DATASET_WRITERS[name]
     module = importlib.import_module(module_name)
     root = data_dir() / name
-    if not _current(root / _MANIFEST[name], module.FORMAT_VERSION):
+    if not _current(root / module.MANIFEST, module.FORMAT_VERSION):
         with file_lock(data_dir() / f".{name}.lock"):
-            if not _current(root / _MANIFEST[name], module.FORMAT_VERSION):
+            if not _current(root / module.MANIFEST, module.FORMAT_VERSION):
                 if root.exists():
                     import shutil
 
@@ -83,7 +58,9 @@ def resolve_dataset(spec: str | os.PathLike) -> Path:
                     shutil.rmtree(root)
                 with atomic_directory(root) as tmp:
                     getattr(module, writer)(tmp)
-    return root / module.FILES[part]
+    path = builtin_path(spec)
+    assert path is not None
+    return path
 
 
 def _current(manifest: Path, version: int) -> bool:

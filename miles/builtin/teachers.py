@@ -1,7 +1,7 @@
 """Built-in SFT checkpoints of the tiny families on the digits, made on first use by the tiny recipes.
 
-Torch-free: names, step counts and stamps. The build itself (`miles.runtime.teachers`) runs the
-Trainer, so it lives above `miles.training`; `ensure_checkpoint` imports it by `TEACHER_BUILDER`.
+Names, step counts and stamps are torch-free; the build (`build_digits_teacher`) runs the Trainer of
+`miles train sft` on one gloo rank in this process (imported when it runs).
 
 `tiny-sd3-digits-sft` is the teacher (the `tiny-digits-sft` recipe's full run); the short one is an
 under-trained start for RL (`tiny-digits-grpo`), so the reward has room to rise. Each is built in
@@ -17,9 +17,10 @@ steps 0.94): there the digit reward responds to RL within a few dozen optimizer 
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
-from miles.models.builtin_names import SFT_TEACHERS
+from miles.builtin.names import SFT_TEACHERS
 from miles.models.tiny.metadata import current_design
 
 # name -> (the SFT recipe that makes it, its base checkpoint)
@@ -33,8 +34,6 @@ TEACHER_SOURCES: dict[str, tuple[str, str]] = {
     "tiny-ltx2-digits-sft-short": ("tiny-ltx2-digits-sft", "tiny-ltx2"),
 }
 STAMP_FILE = "digits_teacher.json"
-# what trains them sits above `miles.training` (it runs the Trainer): imported by path on first use
-TEACHER_BUILDER = "miles.runtime.teachers:build_digits_teacher"
 # copies made before the stamp existed
 _UNSTAMPED_STEPS = {"tiny-sd3-digits-sft": 1000, "tiny-sd3-digits-sft-short": 450}
 
@@ -76,3 +75,50 @@ def is_current(path: Path, name: str) -> bool:
     """Built with today's step count, from a base of today's design."""
     base = TEACHER_SOURCES[name][1]
     return built_steps(path, name) == SFT_TEACHERS[name] and built_base_design(path) == current_design(base)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_digits_teacher(name: str, target: Path, progress: bool = True) -> Path:
+    import json
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from miles.config.resolve import resolve
+    from miles.training.sft_data import encode_sft_dataset
+    from miles.training.trainer import Trainer
+    from miles.utils.atomic import atomic_write_text
+
+    steps = SFT_TEACHERS[name]
+    recipe, base = TEACHER_SOURCES[name]
+    args = resolve(
+        "sft", recipe=recipe, cli={"num_rollout": steps, "hf_checkpoint": base, "output_dir": str(target.parent)}
+    ).args
+    data = encode_sft_dataset(args)
+    owns_group = not dist.is_initialized()
+    trainer = Trainer(args, 0, 1, "127.0.0.1", _free_port(), total_steps=steps)
+    generator = torch.Generator().manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    try:
+        from rich.progress import Progress
+
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task(f"building {name} ({steps} SFT steps)", total=steps)
+            for _ in range(steps):
+                rows = rng.choice(len(data), int(args.global_batch_size), replace=False).tolist()
+                x0, samples = data.batch(rows, generator)
+                trainer.train_sft(x0, samples)
+                bar.advance(task)
+        trainer.export_pipeline(str(target))
+        stamp = {"name": name, "sft_steps": steps, "recipe": recipe, "base": base, "base_design": current_design(base)}
+        atomic_write_text(target / STAMP_FILE, json.dumps(stamp, indent=2) + "\n")
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+    return target

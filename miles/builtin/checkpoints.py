@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from miles.builtin.names import BUILTIN_MODELS, SFT_TEACHERS, TINY_BUILDERS, is_builtin_model
+from miles.builtin.teachers import build_digits_teacher, is_current
 from miles.core.errors import ConfigError
-from miles.models.builtin_names import BUILTIN_MODELS, SFT_TEACHERS, TINY_BUILDERS, is_builtin_model
-from miles.models.digits_teachers import TEACHER_BUILDER, is_current
 from miles.models.pipeline_config import import_dotted
 from miles.models.tiny.metadata import METADATA_FILES, built_design, current_design
 from miles.utils.paths import file_lock, models_dir
@@ -61,7 +61,7 @@ def ensure_checkpoint(name_or_path: str | os.PathLike, progress: bool = True, se
                 f"(or run `miles models build {name} --force`)"
             )
         if name in SFT_TEACHERS:
-            import_dotted(TEACHER_BUILDER)(name, target, progress=progress)
+            build_digits_teacher(name, target, progress=progress)
         else:
             tiny_builder(name)(target, seed=seed, progress=progress)
     return target
