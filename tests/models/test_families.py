@@ -218,3 +218,19 @@ def test_torch_free_imports():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_the_family_is_resolved_once_into_a_derived_value(tmp_path: Path) -> None:
+    """The config matches the checkpoint to a family once and records the name; every later reader looks it up."""
+    from miles.config.args import CLI, DERIVED
+    from miles.config.resolve import resolve
+    from miles.models.families import args_family
+
+    job = resolve("rl", recipe="tiny-flux-digits-grpo")
+    assert job.args.diffusion_model_family == "flux" and job.args.sources()["diffusion_model_family"] == DERIVED
+    assert job.trainer_args["actor"].diffusion_model_family == "flux"
+    # a checkpoint path that names no family resolves through the recorded name, not the path
+    job.args.hf_checkpoint = str(tmp_path / "my-finetune")
+    assert args_family(job.args).name == "flux"
+    explicit = resolve("rl", recipe="tiny-digits-grpo", cli={"diffusion_model_family": "sd3"})
+    assert explicit.args.sources()["diffusion_model_family"] == CLI

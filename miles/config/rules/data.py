@@ -21,6 +21,10 @@ def check_model(res: Resolution, job: JobSpec) -> None:
     family = _resolve_family(res, job)
     if family is not None:
         family.check_settings(res, job)  # the family's own rules (guidance, experts, ...)
+        if res["diffusion_model_family"] is None:
+            # resolved once, here: every later reader (the rules, the engines, the trainers, the memory plan)
+            # looks the family up by name instead of matching the checkpoint again
+            res.derive("diffusion_model_family", family.name)
 
 
 def _resolve_family(res: Resolution, job: JobSpec):
