@@ -190,7 +190,7 @@ def gpu_view(resolved: Any) -> tuple[Any, str | None]:
 
     args = resolved.args
     if (
-        getattr(args, "rollout_backend", None) != "diffusers"
+        args.rollout_backend != "diffusers"
         or args.source_of("rollout_backend") != "derived"
         or not resolved.spec.generates
         or resolved.spec.name == "dmd2"

@@ -234,7 +234,7 @@ class Denoiser:
 def denoiser_of(counts: ModelCounts, family: Any, args: Any) -> tuple[Denoiser, tuple[str, ...]]:
     from miles.models.pipeline_config import target_components
 
-    components = family.denoiser_components(target_components(getattr(args, "update_weight_target_module", None)))
+    components = family.denoiser_components(target_components(args.update_weight_target_module))
     tensors = tuple((counts.components[c].library, g) for c in components for g in counts.components[c].tensors)
     adapters: tuple[AdapterGroup, ...] = ()
     if args.use_lora:
@@ -311,7 +311,7 @@ def trainer_slot(
             unsharded = (groups.root + 2 * groups.largest_block) * width
             slot.add([TRAIN], "fsdp/unsharded", unsharded, "formula: root group + 2 blocks gathered (no LoRA)")
     if SYNC in phases and syncs:
-        lora_only = lora and (bool(args.lora_ipc_weight_sync) or getattr(args, "rollout_backend", None) == "sglang")
+        lora_only = lora and (bool(args.lora_ipc_weight_sync) or args.rollout_backend == "sglang")
         slot.add([SYNC], "sync/gather", denoiser.largest_tensor(lora_only))
         if feeds_engine and bool(args.colocate):
             largest_group = max(denoiser.sync_payload_groups(lora_only).values(), default=0)
@@ -430,7 +430,7 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
                 role == "actor",
             )
     lora_base = 0
-    backend = getattr(args, "rollout_backend", None)
+    backend = args.rollout_backend
     if actor_denoiser is not None and args.use_lora and args.lora_ipc_weight_sync and num_engines:
         if backend == "sglang":
             notes.append("sglang's LoRA merge may keep base-weight copies too: not counted")

@@ -212,9 +212,17 @@ def resolve_family(
 def args_family(args: Any, require_trainable: bool = False) -> TrainPipelineConfig:
     """The model family a job's (or a trainer role's) args select: `--diffusion-model-family`, else
     `--train-pipeline-config-path`, else the checkpoint (the resolution order above)."""
+    family = args.diffusion_model_family
+    if args.train_pipeline_config_path is not None and _derived(args, "diffusion_model_family"):
+        family = None  # the name the config matched yields to a pipeline config a trainer's override gives
     return resolve_family(
         args.hf_checkpoint,
-        family=args.diffusion_model_family,
+        family=family,
         config_path=args.train_pipeline_config_path,
         require_trainable=require_trainable,
     )
+
+
+def _derived(args: Any, dest: str) -> bool:
+    sources = getattr(args, "sources", None)
+    return callable(sources) and sources().get(dest) == "derived"

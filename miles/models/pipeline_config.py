@@ -501,6 +501,6 @@ def prompt_geometry(args: Any) -> dict[str, Any]:
     return {
         "height": int(args.diffusion_height),
         "width": int(args.diffusion_width),
-        "num_frames": int(getattr(args, "diffusion_output_num_frames", None) or 1),
+        "num_frames": int(args.diffusion_output_num_frames or 1),
         "fps": args.diffusion_fps,
     }

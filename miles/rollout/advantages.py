@@ -101,7 +101,7 @@ def post_process_rewards(args: Any, samples: list[Sample]) -> tuple[list[float],
                 f"normalized rewards for {len(samples)} samples"
             )
     else:
-        n = int(getattr(args, "n_samples_per_prompt", None) or 1)
+        n = int(args.n_samples_per_prompt or 1)
         _check_groups(samples, n)
         reward_key = args.reward_key
         raw = [sample.scalar_reward(reward_key) for sample in samples]

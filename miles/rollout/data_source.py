@@ -85,11 +85,9 @@ class RolloutDataSource:
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", None) or 1)
-        seed = getattr(args, "seed", None)
-        self.seed = 1234 if seed is None else int(seed)
-        rollout_seed = getattr(args, "rollout_seed", None)
-        self.rollout_seed = 42 if rollout_seed is None else int(rollout_seed)
+        self.n_samples_per_prompt = int(args.n_samples_per_prompt or 1)
+        self.seed = int(args.seed)
+        self.rollout_seed = int(args.rollout_seed)
         self.epoch = 0  # the epoch the next prompt is drawn from
         self.offset = 0  # prompts already served from the current epoch
         self.group_counter = 0  # the group_index of the next group
@@ -103,8 +101,8 @@ class RolloutDataSource:
             self.path = resolve_prompt_data(args, spec)
             self.dataset = load_prompt_jsonl(
                 self.path,
-                input_key=getattr(args, "input_key", None) or "input",
-                metadata_key=getattr(args, "metadata_key", None) or "metadata",
+                input_key=args.input_key or "input",
+                metadata_key=args.metadata_key or "metadata",
             )
 
     def __len__(self) -> int:

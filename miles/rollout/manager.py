@@ -162,7 +162,7 @@ class RolloutManager:
         from miles.placement.plan import num_engines
 
         num = len(self.placement.slots("engine")) if self.placement is not None else num_engines(self.args)
-        if getattr(self.args, "rollout_backend", "diffusers") == "sglang":
+        if self.args.rollout_backend == "sglang":
             from miles.rollout.engines.sglang.rollout import SglangRollout
 
             self.sglang = SglangRollout(self.args, num, self.placement)

@@ -82,7 +82,7 @@ def _load(args: Any, dest: str, flag: str) -> Callable[..., Any] | None:
 
 def rollout_function(args: Any) -> Callable[..., Any] | None:
     """The user's `--rollout-function-path`, or None for the built-in rollout."""
-    path = getattr(args, "rollout_function_path", None)
+    path = args.rollout_function_path
     return None if is_builtin_rollout(path) else load_function(path, ROLLOUT_FLAG)
 
 

@@ -36,7 +36,7 @@ def dispatch(resolved: ResolvedJob) -> int | None:
     args = resolved.args
     from miles.utils.deadline import set_hook_timeout
 
-    set_hook_timeout(getattr(args, "hook_timeout", None))  # the hooks the driver runs (log functions)
+    set_hook_timeout(args.hook_timeout)  # the hooks the driver runs (log functions)
     with interrupts():
         try:
             return module.run(resolved)

@@ -17,7 +17,7 @@ def init_ray(args: Any) -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
-    env_vars = {str(k): str(v) for k, v in (getattr(args, "train_env_vars", None) or {}).items()}
+    env_vars = {str(k): str(v) for k, v in (args.train_env_vars or {}).items()}
     env_vars.setdefault("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
     for name in ("MILES_HOME", "MILES_HTTP_POST_ACTORS_PER_NODE"):  # read by actors (--use-distributed-post)
         if name in os.environ:

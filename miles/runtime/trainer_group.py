@@ -29,7 +29,7 @@ def train_threads(args: Any, world: int) -> int:
     """A rank's torch threads: `OMP_NUM_THREADS` when `--train-env-vars` sets it (Ray sets its own in every
     actor, so only the flag's value counts), else this node's cores shared among the ranks. On a machine whose
     cores other work shares, fewer threads than cores avoids the OpenMP spin of oversubscription."""
-    value = (getattr(args, "train_env_vars", None) or {}).get("OMP_NUM_THREADS")
+    value = (args.train_env_vars or {}).get("OMP_NUM_THREADS")
     if value is not None and str(value).isdigit() and int(value) > 0:
         return int(value)
     return max(1, (os.cpu_count() or 1) // max(1, world))

@@ -168,7 +168,7 @@ class InPlaceSync:
         index = source_engine(self.args, self.rank, len(engines))
         if index is None:
             return {}
-        if getattr(self.args, "rollout_backend", None) == "sglang":
+        if self.args.rollout_backend == "sglang":
             if self._expectations is None:
                 self._expectations = SglangExpectations(self.args)
             return push_to_sglang(engines[index], state, self.args, self._expectations)

@@ -28,7 +28,7 @@ def target_components(args: Any) -> tuple[str, ...]:
     """`--update-weight-target-module`: the denoiser components to load, train and sync."""
     from miles.models.pipeline_config import target_components as parse
 
-    return parse(getattr(args, "update_weight_target_module", None))
+    return parse(args.update_weight_target_module)
 
 
 MODEL_BACKEND_FLAG = "--model-backend-path"

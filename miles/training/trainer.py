@@ -200,7 +200,7 @@ class Trainer:
         """What one sync pushes to the engines: `engine_weights()`, or under --lora-ipc-weight-sync (and for
         LoRA on sglang engines, which take the adapter through `/v1/set_lora`) only the LoRA tensors
         (`miles.models.lora_sync`: the engines merge them into their base weights)."""
-        lora_only = self.args.lora_ipc_weight_sync or getattr(self.args, "rollout_backend", None) == "sglang"
+        lora_only = self.args.lora_ipc_weight_sync or self.args.rollout_backend == "sglang"
         if not (self.args.use_lora and lora_only):
             return self.engine_weights()
         from miles.models.lora_sync import lora_sync_payload

@@ -140,13 +140,13 @@ class RewardPool:
         if self.num_workers < 1:
             raise ConfigError(f"a {rm_type!r} reward pool needs at least one worker, got {self.num_workers}")
         if num_gpus_per_worker is None:
-            num_gpus_per_worker = float(getattr(args, "pickscore_num_gpus_per_worker", None) or 0.0)
+            num_gpus_per_worker = float(args.pickscore_num_gpus_per_worker or 0.0)
             num_gpus_per_worker = num_gpus_per_worker if rm_type == "pickscore" else 0.0
         options = _worker_options(placement, rm_type, num_gpus_per_worker, num_cpus_per_worker, self.num_workers)
         self.num_workers = len(options)
         self.num_gpus_per_worker = float(options[0].get("num_gpus", 0.0))
         if timeout_s is None:  # --hook-timeout (0: no limit), else the pool's own default
-            flag = getattr(args, "hook_timeout", None)
+            flag = args.hook_timeout
             timeout_s = DEFAULT_TIMEOUT_S if flag is None else (float(flag) or None)
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         actor_cls = owned_remote(RewardWorker)
