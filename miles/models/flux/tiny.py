@@ -20,21 +20,13 @@ Components (each initialised from its own seed; torch/diffusers are imported on 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-from miles.models.loading import quiet_loading
 from miles.models.tiny import components as C
-from miles.models.tiny.build import (
-    BuildReport,
-    Progress,
-    build_atomically,
-    finish_image_build,
-    fit_digits_image_vae,
-    phase_timer,
-)
-from miles.models.tiny.metadata import TINY_METADATA_FILE
+from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.components import seeded
+from miles.models.tiny.frame import DigitsImageBuild
 from miles.models.tiny.vae_fit import VAE_STEPS
 
 __all__ = ["TINY_FLUX_NAME", "BuildReport", "build_tiny_flux"]
@@ -66,16 +58,6 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
-class _FluxProgress(Progress):
-    label = TINY_FLUX_NAME
-
-
-def _seeded(seed: int, name: str) -> None:
-    import torch
-
-    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
-
-
 def make_clip_text_encoder(seed: int, tok: dict[str, int]) -> Any:
     """FLUX's CLIP-L stand-in: a `CLIPTextModel` (no projection; the pipeline uses its pooled output)."""
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -92,7 +74,7 @@ def make_clip_text_encoder(seed: int, tok: dict[str, int]) -> Any:
         pad_token_id=tok["clip_pad_id"],
         hidden_act="quick_gelu",
     )
-    _seeded(seed, "text_encoder")
+    seeded(seed, "text_encoder", SEED_OFFSETS)
     return CLIPTextModel(config).eval()
 
 
@@ -100,7 +82,7 @@ def make_transformer(seed: int) -> Any:
     """The tiny `FluxTransformer2DModel` (random; ~0.3M params)."""
     from diffusers import FluxTransformer2DModel
 
-    _seeded(seed, "transformer")
+    seeded(seed, "transformer", SEED_OFFSETS)
     return FluxTransformer2DModel(
         patch_size=1,
         in_channels=PACKED_CHANNELS,
@@ -122,6 +104,33 @@ def make_scheduler() -> Any:
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
+class TinyFluxBuild(DigitsImageBuild):
+    """tiny-flux's phases: a CLIP and tiny-sd3's T5, the FLUX transformer, the shared digits VAE."""
+
+    name = TINY_FLUX_NAME
+    sglang_model_id = SGLANG_MODEL_ID
+
+    def text_encoders(self) -> None:
+        self.te1 = make_clip_text_encoder(self.seed, self.ids)
+        self.te2 = C.make_t5_encoder(self.seed, self.ids)
+
+    def transformer(self) -> None:
+        self.dit = make_transformer(self.seed)
+
+    def pipeline(self) -> Any:
+        from diffusers import FluxPipeline
+
+        return FluxPipeline(
+            transformer=self.dit,
+            scheduler=make_scheduler(),
+            vae=self.vae,
+            text_encoder=self.te1,
+            tokenizer=self.clip_tok,
+            text_encoder_2=self.te2,
+            tokenizer_2=self.t5_tok,
+        )
+
+
 def build_tiny_flux(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
@@ -130,56 +139,4 @@ def build_tiny_flux(
 
 
 def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    start = time.perf_counter()
-    timings: dict[str, float] = {}
-
-    with _FluxProgress(progress, vae_steps) as bar:
-        phase = phase_timer(timings, bar)
-        with phase("tokenizers"):
-            from miles.models.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
-
-            clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
-            ids = {
-                "clip_vocab_size": len(clip_tok),
-                "clip_bos_id": clip_tok.bos_token_id,
-                "clip_eos_id": clip_tok.eos_token_id,
-                "clip_pad_id": clip_tok.pad_token_id,
-                "t5_vocab_size": len(t5_tok),
-                "t5_pad_id": t5_tok.pad_token_id,
-                "t5_eos_id": t5_tok.eos_token_id,
-            }
-        with phase("text encoders"):
-            te1 = make_clip_text_encoder(seed, ids)
-            te2 = C.make_t5_encoder(seed, ids)
-        with phase("transformer"):
-            transformer = make_transformer(seed)
-        fit = fit_digits_image_vae(phase, bar, tmp, seed, vae_steps)
-        vae = fit.vae
-        with phase("save"):
-            from diffusers import FluxPipeline
-
-            pipe = FluxPipeline(
-                transformer=transformer,
-                scheduler=make_scheduler(),
-                vae=vae,
-                text_encoder=te1,
-                tokenizer=clip_tok,
-                text_encoder_2=te2,
-                tokenizer_2=t5_tok,
-            )
-            with quiet_loading():
-                pipe.save_pretrained(tmp)
-        report = finish_image_build(
-            pipe,
-            tmp,
-            name=TINY_FLUX_NAME,
-            seed=seed,
-            vae_steps=vae_steps,
-            fit=fit,
-            start=start,
-            timings=timings,
-            sglang_model_id=SGLANG_MODEL_ID,
-            metadata_file=TINY_METADATA_FILE,
-        )
-        bar.describe("done")
-    return report
+    return TinyFluxBuild(tmp, seed, vae_steps).run(progress)

@@ -31,23 +31,14 @@ Components (each initialised from its own seed; torch/diffusers/transformers are
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles.models.loading import quiet_loading
-from miles.models.tiny.build import (
-    BuildReport,
-    Progress,
-    build_atomically,
-    library_versions,
-    phase_timer,
-    pipeline_report,
-    score_and_save_video_classifier,
-)
-from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE, current_design
+from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.components import seeded
+from miles.models.tiny.frame import MovingDigitsBuild
+from miles.models.tiny.metadata import FORMAT_VERSION, current_design
+from miles.models.tiny.video_vae import video_prompts
 
 __all__ = ["TINY_LTX2_NAME", "BuildReport", "build_tiny_ltx2"]
 
@@ -127,23 +118,6 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
-class _LtxProgress(Progress):
-    label = TINY_LTX2_NAME
-
-
-def _seeded(seed: int, name: str) -> None:
-    import torch
-
-    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
-
-
-def video_prompts() -> list[str]:
-    from miles.data.digits import NUM_LABELS
-    from miles.data.digits_video import DIRECTIONS, prompt_for
-
-    return [prompt_for(k, d) for k in range(NUM_LABELS) for d in DIRECTIONS]
-
-
 def make_tokenizer() -> Any:
     """The hand-laid Gemma BPE (see the module docstring); deterministic, no trainer."""
     from transformers import GemmaTokenizer
@@ -196,14 +170,14 @@ def make_text_encoder(seed: int, tokenizer: Any) -> Any:
         eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"],
     )
-    _seeded(seed, "text_encoder")
+    seeded(seed, "text_encoder", SEED_OFFSETS)
     return Gemma3ForConditionalGeneration(config).eval()
 
 
 def make_connectors(seed: int) -> Any:
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-    _seeded(seed, "connectors")
+    seeded(seed, "connectors", SEED_OFFSETS)
     heads, head_dim = 2, TEXT_DIM // 2
     return LTX2TextConnectors(
         caption_channels=TEXT_DIM,
@@ -222,7 +196,7 @@ def make_connectors(seed: int) -> Any:
 def make_transformer(seed: int) -> Any:
     from diffusers import LTX2VideoTransformer3DModel
 
-    _seeded(seed, "transformer")
+    seeded(seed, "transformer", SEED_OFFSETS)
     return LTX2VideoTransformer3DModel(
         in_channels=LATENT_CHANNELS,
         out_channels=LATENT_CHANNELS,
@@ -250,7 +224,7 @@ def make_vae(seed: int) -> Any:
     import torch
     from diffusers import AutoencoderKLLTX2Video
 
-    _seeded(seed, "vae")
+    seeded(seed, "vae", SEED_OFFSETS)
     vae = AutoencoderKLLTX2Video(
         in_channels=3,
         out_channels=3,
@@ -280,7 +254,7 @@ def make_vae(seed: int) -> Any:
 def make_audio_vae(seed: int) -> Any:
     from diffusers import AutoencoderKLLTX2Audio
 
-    _seeded(seed, "audio_vae")
+    seeded(seed, "audio_vae", SEED_OFFSETS)
     return AutoencoderKLLTX2Audio(
         base_channels=AUDIO_BASE_CHANNELS,  # trap 1: = latent channels x mel bins / 4
         output_channels=2,
@@ -298,7 +272,7 @@ def make_audio_vae(seed: int) -> Any:
 def make_vocoder(seed: int) -> Any:
     from diffusers.pipelines.ltx2 import LTX2Vocoder
 
-    _seeded(seed, "vocoder")
+    seeded(seed, "vocoder", SEED_OFFSETS)
     return LTX2Vocoder(
         in_channels=2 * AUDIO_MEL_BINS,
         hidden_channels=16,
@@ -333,6 +307,80 @@ def set_video_latent_stats(vae: Any, videos: Any, batch_size: int = 32) -> tuple
     return mean, std
 
 
+class TinyLtx2Build(MovingDigitsBuild):
+    """tiny-ltx2's phases: the hand-laid Gemma BPE, a Gemma 3 encoder and the text connectors, the audio-video
+    DiT, the LTX-2 video VAE fitted to the moving digits; the audio VAE and vocoder are made when the pipeline is
+    assembled (never fitted: rewards read the video)."""
+
+    name = TINY_LTX2_NAME
+    num_frames = NUM_FRAMES
+    stats_videos = VAE_STATS_VIDEOS
+
+    def tokenizers(self) -> None:
+        self.tokenizer = make_tokenizer()
+        self.prompt_tokens = max(len(self.tokenizer(p).input_ids) for p in video_prompts())
+        assert self.prompt_tokens <= TINY_LTX2_MAX_SEQUENCE_LENGTH, self.prompt_tokens
+
+    def text_encoders(self) -> None:
+        self.text_encoder = make_text_encoder(self.seed, self.tokenizer)
+        self.connectors = make_connectors(self.seed)
+
+    def transformer(self) -> None:
+        self.dit = make_transformer(self.seed)
+
+    def make_vae(self) -> Any:
+        return make_vae(self.seed)
+
+    def fit_options(self) -> dict[str, Any]:
+        return {"batch_size": VAE_BATCH_SIZE, "lr": VAE_LR}
+
+    def latent_stats(self) -> None:
+        self.latents_mean, self.latents_std = set_video_latent_stats(self.vae, self.train[: self.stats_videos])
+
+    def pipeline(self) -> Any:
+        from diffusers import LTX2Pipeline
+
+        audio_vae, vocoder = make_audio_vae(self.seed), make_vocoder(self.seed)
+        return LTX2Pipeline(
+            scheduler=make_scheduler(),
+            vae=self.vae,
+            audio_vae=audio_vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            connectors=self.connectors,
+            transformer=self.dit,
+            vocoder=vocoder,
+        )
+
+    def metadata(self, report: BuildReport) -> dict[str, Any]:
+        from miles.data.digits import SPLIT_SEED
+        from miles.data.digits_video import PROMPT_TEMPLATE
+
+        return {
+            "name": TINY_LTX2_NAME,
+            "format_version": FORMAT_VERSION,
+            "design": current_design(TINY_LTX2_NAME),
+            "seed": self.seed,
+            "resolution": RESOLUTION,
+            "num_frames": NUM_FRAMES,
+            "fps": FPS,
+            "latent_size": LATENT_SIZE,
+            "latent_frames": LATENT_FRAMES,
+            "latent_channels": LATENT_CHANNELS,
+            "audio_token_dim": AUDIO_TOKEN_DIM,
+            "max_sequence_length": TINY_LTX2_MAX_SEQUENCE_LENGTH,
+            "prompt_template": PROMPT_TEMPLATE,
+            "data": {"name": "digits-video", "split_seed": SPLIT_SEED},
+            "tokenizer": {"vocab_size": len(self.tokenizer), "digit_prompt_tokens": self.prompt_tokens},
+            "vae": self.vae_metadata(TEMPORAL_COMPRESSION, SPATIAL_COMPRESSION, VAE_BATCH_SIZE, VAE_LR),
+            "digit_classifier": {
+                "path": "digit_classifier",
+                "input": "video",
+                "test_accuracy": report.classifier_test_accuracy,
+            },
+        }
+
+
 def build_tiny_ltx2(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
@@ -341,116 +389,4 @@ def build_tiny_ltx2(
 
 
 def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    start = time.perf_counter()
-    timings: dict[str, float] = {}
-
-    with _LtxProgress(progress, vae_steps) as bar:
-        phase = phase_timer(timings, bar)
-        with phase("tokenizers"):
-            tokenizer = make_tokenizer()
-            prompt_tokens = max(len(tokenizer(p).input_ids) for p in video_prompts())
-            assert prompt_tokens <= TINY_LTX2_MAX_SEQUENCE_LENGTH, prompt_tokens
-        with phase("text encoders"):
-            text_encoder = make_text_encoder(seed, tokenizer)
-            connectors = make_connectors(seed)
-        with phase("transformer"):
-            transformer = make_transformer(seed)
-        with phase("data"):
-            import torch
-
-            from miles.data.digits import load_digits_split
-            from miles.models.tiny import vae_fit
-
-            split = load_digits_split()
-            train_videos, _ = vae_fit.digit_videos_to_vae_input(split.train_x, NUM_FRAMES)
-            test_videos, test_directions = vae_fit.digit_videos_to_vae_input(split.test_x, NUM_FRAMES)
-        with phase("vae fit", advance=False):
-            vae = make_vae(seed)
-            on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
-            vae_fit.fit_vae(
-                vae,
-                train_videos,
-                steps=vae_steps,
-                batch_size=VAE_BATCH_SIZE,
-                lr=VAE_LR,
-                seed=seed,
-                on_step=on_step,
-            )
-        with phase("vae stats"):
-            latents_mean, latents_std = set_video_latent_stats(vae, train_videos[:VAE_STATS_VIDEOS])
-            recon = vae_fit.reconstruct(vae, test_videos, batch_size=32)
-            vae_mse = float(torch.nn.functional.mse_loss(recon, test_videos))
-        with phase("classifier"):
-            clf_meta, frame_acc, direction_acc = score_and_save_video_classifier(
-                tmp, recon, split.test_y, test_directions
-            )
-        with phase("save"):
-            from diffusers import LTX2Pipeline
-
-            audio_vae, vocoder = make_audio_vae(seed), make_vocoder(seed)
-            pipe = LTX2Pipeline(
-                scheduler=make_scheduler(),
-                vae=vae,
-                audio_vae=audio_vae,
-                text_encoder=text_encoder,
-                tokenizer=tokenizer,
-                connectors=connectors,
-                transformer=transformer,
-                vocoder=vocoder,
-            )
-            with quiet_loading():
-                pipe.save_pretrained(tmp)
-        report = pipeline_report(pipe, tmp, start, timings, clf_meta["test_accuracy"], vae_mse, frame_acc)
-        tokens = {"vocab_size": len(tokenizer), "digit_prompt_tokens": prompt_tokens}
-        vae_meta = {
-            "latents_mean": latents_mean,
-            "latents_std": latents_std,
-            "temporal_compression": TEMPORAL_COMPRESSION,
-            "spatial_compression": SPATIAL_COMPRESSION,
-            "fit_steps": vae_steps,
-            "batch_size": VAE_BATCH_SIZE,
-            "lr": VAE_LR,
-            "stats_videos": VAE_STATS_VIDEOS,
-            "test_mse": round(vae_mse, 6),
-            "test_reconstruction_accuracy": frame_acc,
-            "test_direction_accuracy": direction_acc,
-        }
-        _write_metadata(tmp, seed, tokens, vae_meta, report)
-        bar.describe("done")
-    return report
-
-
-def _write_metadata(
-    out: Path, seed: int, tokens: dict[str, int], vae_meta: dict[str, Any], report: BuildReport
-) -> None:
-    from miles.data.digits import SPLIT_SEED
-    from miles.data.digits_video import PROMPT_TEMPLATE
-
-    meta = {
-        "name": TINY_LTX2_NAME,
-        "format_version": FORMAT_VERSION,
-        "design": current_design(TINY_LTX2_NAME),
-        "seed": seed,
-        "resolution": RESOLUTION,
-        "num_frames": NUM_FRAMES,
-        "fps": FPS,
-        "latent_size": LATENT_SIZE,
-        "latent_frames": LATENT_FRAMES,
-        "latent_channels": LATENT_CHANNELS,
-        "audio_token_dim": AUDIO_TOKEN_DIM,
-        "max_sequence_length": TINY_LTX2_MAX_SEQUENCE_LENGTH,
-        "prompt_template": PROMPT_TEMPLATE,
-        "data": {"name": "digits-video", "split_seed": SPLIT_SEED},
-        "tokenizer": tokens,
-        "vae": vae_meta,
-        "digit_classifier": {
-            "path": "digit_classifier",
-            "input": "video",
-            "test_accuracy": report.classifier_test_accuracy,
-        },
-        "params": report.params,
-        "build_seconds": report.seconds,
-        "phase_seconds": report.phase_seconds,
-        "versions": library_versions(),
-    }
-    (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return TinyLtx2Build(tmp, seed, vae_steps).run(progress)

@@ -21,28 +21,20 @@ Components (each initialised from its own seed; torch/diffusers/transformers are
 
 from __future__ import annotations
 
-import json
-import time
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from miles.models.loading import quiet_loading
-from miles.models.tiny.build import (
-    BuildReport,
-    Progress,
-    build_atomically,
-    library_versions,
-    phase_timer,
-    pipeline_report,
-    score_and_save_classifier,
-)
-from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE
+from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.components import seeded
+from miles.models.tiny.frame import DigitFramesBuild
+from miles.models.tiny.metadata import FORMAT_VERSION
 from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR
+from miles.models.tiny.video_vae import digits_to_video_input
 
-__all__ = ["TINY_QWEN_IMAGE_NAME", "BuildReport", "build_tiny_qwen_image"]
+__all__ = ["TINY_QWEN_IMAGE_NAME", "BuildReport", "build_tiny_qwen_image", "digits_to_video_input"]
 
 TINY_QWEN_IMAGE_NAME = "tiny-qwen-image"
 SGLANG_MODEL_ID = "Qwen-Image"
@@ -82,16 +74,6 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
-class _QwenImageProgress(Progress):
-    label = TINY_QWEN_IMAGE_NAME
-
-
-def _seeded(seed: int, name: str) -> None:
-    import torch
-
-    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
-
-
 def make_text_encoder(seed: int, ids: dict[str, int]) -> Any:
     """The tiny `Qwen2_5_VLForConditionalGeneration` (the pipeline uses its last hidden states)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -129,7 +111,7 @@ def make_text_encoder(seed: int, ids: dict[str, int]) -> Any:
         vision_end_token_id=ids["vision_end_id"],
         tie_word_embeddings=False,
     )
-    _seeded(seed, "text_encoder")
+    seeded(seed, "text_encoder", SEED_OFFSETS)
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
@@ -137,7 +119,7 @@ def make_transformer(seed: int) -> Any:
     """The tiny `QwenImageTransformer2DModel` (random)."""
     from diffusers import QwenImageTransformer2DModel
 
-    _seeded(seed, "transformer")
+    seeded(seed, "transformer", SEED_OFFSETS)
     return QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=PACKED_CHANNELS,
@@ -155,7 +137,7 @@ def make_vae(seed: int) -> Any:
     """The tiny `AutoencoderKLQwenImage` (latents_mean/std are placeholders until `vae_fit.set_latents_mean_std`)."""
     from diffusers import AutoencoderKLQwenImage
 
-    _seeded(seed, "vae")
+    seeded(seed, "vae", SEED_OFFSETS)
     return AutoencoderKLQwenImage(
         base_dim=VAE_BASE_DIM,
         z_dim=LATENT_CHANNELS,
@@ -208,16 +190,86 @@ def single_frame_convs(vae: Any) -> Iterator[Any]:
             del conv.forward
 
 
-def digits_to_video_input(x8: Any) -> Any:
-    """(N, 8, 8) numpy digits in [0, 1] -> (N, 3, 1, 64, 64) float32 1-frame videos in [-1, 1]."""
-    from miles.models.tiny.vae_fit import digits_to_vae_input
-
-    return digits_to_vae_input(x8)[:, :, None].contiguous()
-
-
 def prompt_token_lengths(tokenizer: Any, prompts: list[str], template: str, drop: int) -> list[int]:
     """How many text tokens each prompt gives after the pipeline drops the template's first `drop` tokens."""
     return [len(tokenizer(template.format(p)).input_ids) - drop for p in prompts]
+
+
+class TinyQwenImageBuild(DigitFramesBuild):
+    """tiny-qwen-image's phases: the Qwen BPE learned from the prompt template, a Qwen2.5-VL text encoder, the
+    Qwen-Image transformer, its causal 3-D VAE fitted to one-frame digits under 2-D convs."""
+
+    name = TINY_QWEN_IMAGE_NAME
+
+    def tokenizers(self) -> None:
+        from miles.data.digits import NUM_LABELS, prompt_for
+        from miles.models.qwen_image import tokenizer as qtok
+        from miles.models.tiny.tokenizers import prompt_corpus
+
+        template, drop = qtok.qwen_image_prompt_template()
+        self.tokenizer = tokenizer = qtok.build_qwen_tokenizer(template)
+        prefix_len = len(tokenizer(qtok.template_prefix(template)).input_ids)
+        assert prefix_len == drop, f"template prefix is {prefix_len} tokens, the pipeline drops {drop}"
+        digit_lengths = prompt_token_lengths(tokenizer, [prompt_for(k) for k in range(NUM_LABELS)], template, drop)
+        corpus_lengths = prompt_token_lengths(tokenizer, prompt_corpus(), template, drop)
+        assert max(corpus_lengths) <= TINY_QWEN_MAX_SEQUENCE_LENGTH, corpus_lengths
+        self.ids = qtok.token_ids(tokenizer)
+        self.tokens = {
+            "vocab_size": self.ids["vocab_size"],
+            "template_drop": drop,
+            "digit_prompt_tokens": max(digit_lengths),
+            "corpus_max_prompt_tokens": max(corpus_lengths),
+        }
+
+    def text_encoders(self) -> None:
+        self.text_encoder = make_text_encoder(self.seed, self.ids)
+
+    def transformer(self) -> None:
+        self.dit = make_transformer(self.seed)
+
+    def make_vae(self) -> Any:
+        return make_vae(self.seed)
+
+    def vae_context(self) -> AbstractContextManager[Any]:
+        return single_frame_convs(self.vae)
+
+    def pipeline(self) -> Any:
+        from diffusers import QwenImagePipeline
+
+        return QwenImagePipeline(
+            transformer=self.dit,
+            scheduler=make_scheduler(),
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+        )
+
+    def metadata(self, report: BuildReport) -> dict[str, Any]:
+        from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
+
+        return {
+            "name": TINY_QWEN_IMAGE_NAME,
+            "format_version": FORMAT_VERSION,
+            "seed": self.seed,
+            "resolution": IMAGE_SIZE,
+            "latent_size": LATENT_SIZE,
+            "latent_channels": LATENT_CHANNELS,
+            "max_sequence_length": TINY_QWEN_MAX_SEQUENCE_LENGTH,
+            "prompt_template": PROMPT_TEMPLATE,
+            "data": {"name": "digits", "split_seed": SPLIT_SEED},
+            "sglang_model_id": SGLANG_MODEL_ID,
+            "tokenizer": self.tokens,
+            "vae": {
+                "latents_mean": self.latents_mean,
+                "latents_std": self.latents_std,
+                "fit_steps": self.vae_steps,
+                "batch_size": VAE_BATCH_SIZE,
+                "lr": VAE_LR,
+                "test_mse": round(report.vae_test_mse, 6),
+                "test_reconstruction_accuracy": report.vae_recon_accuracy,
+            },
+            "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
+        }
 
 
 def build_tiny_qwen_image(
@@ -228,109 +280,4 @@ def build_tiny_qwen_image(
 
 
 def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    start = time.perf_counter()
-    timings: dict[str, float] = {}
-
-    with _QwenImageProgress(progress, vae_steps) as bar:
-        phase = phase_timer(timings, bar)
-        with phase("tokenizers"):
-            import torch
-
-            from miles.data.digits import NUM_LABELS, prompt_for
-            from miles.models.qwen_image import tokenizer as qtok
-            from miles.models.tiny.tokenizers import prompt_corpus
-
-            template, drop = qtok.qwen_image_prompt_template()
-            tokenizer = qtok.build_qwen_tokenizer(template)
-            prefix_len = len(tokenizer(qtok.template_prefix(template)).input_ids)
-            assert prefix_len == drop, f"template prefix is {prefix_len} tokens, the pipeline drops {drop}"
-            digit_lengths = prompt_token_lengths(tokenizer, [prompt_for(k) for k in range(NUM_LABELS)], template, drop)
-            corpus_lengths = prompt_token_lengths(tokenizer, prompt_corpus(), template, drop)
-            assert max(corpus_lengths) <= TINY_QWEN_MAX_SEQUENCE_LENGTH, corpus_lengths
-            ids = qtok.token_ids(tokenizer)
-        with phase("text encoders"):
-            text_encoder = make_text_encoder(seed, ids)
-        with phase("transformer"):
-            transformer = make_transformer(seed)
-        with phase("data"):
-            from miles.data.digits import load_digits_split
-            from miles.models.tiny import vae_fit
-
-            split = load_digits_split()
-            train_videos = digits_to_video_input(split.train_x)
-            test_videos = digits_to_video_input(split.test_x)
-        with phase("vae fit", advance=False):
-            vae = make_vae(seed)
-            on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
-            with single_frame_convs(vae):
-                vae_fit.fit_vae(vae, train_videos, steps=vae_steps, seed=seed, on_step=on_step)
-        with phase("vae stats"), single_frame_convs(vae):
-            latents_mean, latents_std = vae_fit.set_latents_mean_std(vae, train_videos)
-            recon = vae_fit.reconstruct(vae, test_videos)
-            vae_mse = float(torch.nn.functional.mse_loss(recon, test_videos))
-        with phase("classifier"):
-            clf_meta, recon_acc = score_and_save_classifier(tmp, recon[:, :, 0], split.test_y)  # frame 0 of each
-        with phase("save"):
-            from diffusers import QwenImagePipeline
-
-            pipe = QwenImagePipeline(
-                transformer=transformer,
-                scheduler=make_scheduler(),
-                vae=vae,
-                text_encoder=text_encoder,
-                tokenizer=tokenizer,
-            )
-            with quiet_loading():
-                pipe.save_pretrained(tmp)
-        report = pipeline_report(pipe, tmp, start, timings, clf_meta["test_accuracy"], vae_mse, recon_acc)
-        tokens = {
-            "vocab_size": ids["vocab_size"],
-            "template_drop": drop,
-            "digit_prompt_tokens": max(digit_lengths),
-            "corpus_max_prompt_tokens": max(corpus_lengths),
-        }
-        _write_metadata(tmp, seed, vae_steps, latents_mean, latents_std, tokens, report)
-        bar.describe("done")
-    return report
-
-
-def _write_metadata(
-    out: Path,
-    seed: int,
-    vae_steps: int,
-    latents_mean: list[float],
-    latents_std: list[float],
-    tokens: dict[str, int],
-    report: BuildReport,
-) -> None:
-
-    from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
-
-    meta = {
-        "name": TINY_QWEN_IMAGE_NAME,
-        "format_version": FORMAT_VERSION,
-        "seed": seed,
-        "resolution": IMAGE_SIZE,
-        "latent_size": LATENT_SIZE,
-        "latent_channels": LATENT_CHANNELS,
-        "max_sequence_length": TINY_QWEN_MAX_SEQUENCE_LENGTH,
-        "prompt_template": PROMPT_TEMPLATE,
-        "data": {"name": "digits", "split_seed": SPLIT_SEED},
-        "sglang_model_id": SGLANG_MODEL_ID,
-        "tokenizer": tokens,
-        "vae": {
-            "latents_mean": latents_mean,
-            "latents_std": latents_std,
-            "fit_steps": vae_steps,
-            "batch_size": VAE_BATCH_SIZE,
-            "lr": VAE_LR,
-            "test_mse": round(report.vae_test_mse, 6),
-            "test_reconstruction_accuracy": report.vae_recon_accuracy,
-        },
-        "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
-        "params": report.params,
-        "build_seconds": report.seconds,
-        "phase_seconds": report.phase_seconds,
-        "versions": library_versions(),
-    }
-    (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return TinyQwenImageBuild(tmp, seed, vae_steps).run(progress)

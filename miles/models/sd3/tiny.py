@@ -9,31 +9,47 @@ The directory appears atomically (built in a temp sibling, then renamed).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-from miles.models.loading import quiet_loading
 from miles.models.tiny import components as C
-from miles.models.tiny.build import (
-    BuildReport,
-    Progress,
-    build_atomically,
-    finish_image_build,
-    fit_digits_image_vae,
-    phase_timer,
-)
-from miles.models.tiny.metadata import (
-    METADATA_FILE,
-    TINY_SD3_NAME,
-)
+from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.frame import DigitsImageBuild
+from miles.models.tiny.metadata import METADATA_FILE, TINY_SD3_NAME
 from miles.models.tiny.vae_fit import VAE_STEPS
 
 SGLANG_MODEL_ID = "stable-diffusion-3-medium-diffusers"  # the model id sglang's native SD3 pipeline knows
 
 
-class _SD3Progress(Progress):
-    label = TINY_SD3_NAME
+class TinySD3Build(DigitsImageBuild):
+    """tiny-sd3's phases: two CLIP encoders and a T5, the SD3 transformer, the shared digits VAE."""
+
+    name = TINY_SD3_NAME
+    metadata_file = METADATA_FILE
+    sglang_model_id = SGLANG_MODEL_ID
+
+    def text_encoders(self) -> None:
+        self.te1 = C.make_clip_text_encoder(self.seed, "text_encoder", self.ids)
+        self.te2 = C.make_clip_text_encoder(self.seed, "text_encoder_2", self.ids)
+        self.te3 = C.make_t5_encoder(self.seed, self.ids)
+
+    def transformer(self) -> None:
+        self.dit = make_transformer(self.seed)
+
+    def pipeline(self) -> Any:
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline(
+            transformer=self.dit,
+            scheduler=make_scheduler(),
+            vae=self.vae,
+            text_encoder=self.te1,
+            tokenizer=self.clip_tok,
+            text_encoder_2=self.te2,
+            tokenizer_2=self.clip_tok,
+            text_encoder_3=self.te3,
+            tokenizer_3=self.t5_tok,
+        )
 
 
 def build_tiny_sd3(
@@ -44,62 +60,7 @@ def build_tiny_sd3(
 
 
 def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    start = time.perf_counter()
-    timings: dict[str, float] = {}
-
-    with _SD3Progress(progress, vae_steps) as bar:
-        phase = phase_timer(timings, bar)
-        with phase("tokenizers"):
-            from miles.models.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
-
-            clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
-            ids = {
-                "clip_vocab_size": len(clip_tok),
-                "clip_bos_id": clip_tok.bos_token_id,
-                "clip_eos_id": clip_tok.eos_token_id,
-                "clip_pad_id": clip_tok.pad_token_id,
-                "t5_vocab_size": len(t5_tok),
-                "t5_pad_id": t5_tok.pad_token_id,
-                "t5_eos_id": t5_tok.eos_token_id,
-            }
-        with phase("text encoders"):
-            te1 = C.make_clip_text_encoder(seed, "text_encoder", ids)
-            te2 = C.make_clip_text_encoder(seed, "text_encoder_2", ids)
-            te3 = C.make_t5_encoder(seed, ids)
-        with phase("transformer"):
-            transformer = make_transformer(seed)
-        fit = fit_digits_image_vae(phase, bar, tmp, seed, vae_steps)
-        vae = fit.vae
-        with phase("save"):
-            from diffusers import StableDiffusion3Pipeline
-
-            pipe = StableDiffusion3Pipeline(
-                transformer=transformer,
-                scheduler=make_scheduler(),
-                vae=vae,
-                text_encoder=te1,
-                tokenizer=clip_tok,
-                text_encoder_2=te2,
-                tokenizer_2=clip_tok,
-                text_encoder_3=te3,
-                tokenizer_3=t5_tok,
-            )
-            with quiet_loading():
-                pipe.save_pretrained(tmp)
-        report = finish_image_build(
-            pipe,
-            tmp,
-            name=TINY_SD3_NAME,
-            seed=seed,
-            vae_steps=vae_steps,
-            fit=fit,
-            start=start,
-            timings=timings,
-            sglang_model_id=SGLANG_MODEL_ID,
-            metadata_file=METADATA_FILE,
-        )
-        bar.describe("done")
-    return report
+    return TinySD3Build(tmp, seed, vae_steps).run(progress)
 
 
 def make_transformer(seed: int) -> Any:

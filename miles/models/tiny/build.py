@@ -31,7 +31,9 @@ class Progress:
     label = "tiny"
     phases: tuple[str, ...] = PHASES
 
-    def __init__(self, enabled: bool, vae_steps: int):
+    def __init__(self, enabled: bool, vae_steps: int, label: str | None = None, phases: tuple[str, ...] | None = None):
+        self.label = label or self.label
+        self.phases = phases or self.phases
         self.bar = None
         self.task = None
         if enabled:
@@ -172,105 +174,3 @@ def score_and_save_video_classifier(
     meta["vae_direction_accuracy"] = direction_accuracy
     digit.save_digit_classifier(clf, meta, out_dir / digit.CLASSIFIER_DIRNAME)
     return meta, frame_accuracy, direction_accuracy
-
-
-@dataclass
-class DigitsImageVae:
-    """The 8x AutoencoderKL of the image builds, fitted to the digits, and what its fit measured."""
-
-    vae: Any
-    shift: float
-    scale: float
-    test_mse: float
-    recon_accuracy: float
-    classifier_meta: dict[str, Any]
-
-
-def fit_digits_image_vae(phase: Any, bar: Progress, out_dir: Path, seed: int, vae_steps: int) -> DigitsImageVae:
-    """The phases `data`, `vae fit`, `vae stats` and `classifier` of tiny-sd3 and tiny-flux (one VAE
-    layout): fit the seeded VAE to the digits, set its latent normalisation, score its reconstructions."""
-    import torch
-
-    from miles.data.digits import load_digits_split
-    from miles.models.tiny import components as C
-    from miles.models.tiny import vae_fit
-
-    with phase("data"):
-        split = load_digits_split()
-        train_images = vae_fit.digits_to_vae_input(split.train_x)
-        test_images = vae_fit.digits_to_vae_input(split.test_x)
-    with phase("vae fit", advance=False):
-        vae = C.make_vae(seed)
-        on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
-        vae_fit.fit_vae(vae, train_images, steps=vae_steps, seed=seed, on_step=on_step)
-    with phase("vae stats"):
-        shift, scale = vae_fit.set_latent_normalization(vae, train_images)
-        recon = vae_fit.reconstruct(vae, test_images)
-        test_mse = float(torch.nn.functional.mse_loss(recon, test_images))
-    with phase("classifier"):
-        meta, recon_accuracy = score_and_save_classifier(out_dir, recon, split.test_y)
-    return DigitsImageVae(vae, shift, scale, test_mse, recon_accuracy, meta)
-
-
-def image_build_metadata(
-    name: str, seed: int, vae_steps: int, fit: DigitsImageVae, report: BuildReport, sglang_model_id: str
-) -> dict[str, Any]:
-    """The metadata tiny-sd3 and tiny-flux write (the same VAE, CLIP/T5 tokenizers and data)."""
-    from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
-    from miles.models.tiny import components as C
-    from miles.models.tiny.metadata import FORMAT_VERSION, TINY_MAX_SEQUENCE_LENGTH
-    from miles.models.tiny.tokenizers import CLIP_MAX_LENGTH
-    from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR
-
-    return {
-        "name": name,
-        "format_version": FORMAT_VERSION,
-        "seed": seed,
-        "resolution": C.IMAGE_SIZE,
-        "latent_size": C.LATENT_SIZE,
-        "latent_channels": C.LATENT_CHANNELS,
-        "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH,
-        "clip_max_length": CLIP_MAX_LENGTH,
-        "prompt_template": PROMPT_TEMPLATE,
-        "data": {"name": "digits", "split_seed": SPLIT_SEED},
-        "sglang_model_id": sglang_model_id,
-        "vae": {
-            "shift_factor": fit.shift,
-            "scaling_factor": fit.scale,
-            "fit_steps": vae_steps,
-            "batch_size": VAE_BATCH_SIZE,
-            "lr": VAE_LR,
-            "test_mse": round(report.vae_test_mse, 6),
-            "test_reconstruction_accuracy": report.vae_recon_accuracy,
-        },
-        "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
-        "params": report.params,
-        "build_seconds": report.seconds,
-        "phase_seconds": report.phase_seconds,
-        "versions": library_versions(),
-    }
-
-
-def finish_image_build(
-    pipe: Any,
-    out_dir: Path,
-    *,
-    name: str,
-    seed: int,
-    vae_steps: int,
-    fit: DigitsImageVae,
-    start: float,
-    timings: dict[str, float],
-    sglang_model_id: str,
-    metadata_file: str,
-) -> BuildReport:
-    """After a tiny image build's pipeline is saved into `out_dir`: count its modules' parameters and write its
-    report as `metadata_file` (tiny-sd3 and tiny-flux)."""
-    import json
-
-    report = pipeline_report(
-        pipe, out_dir, start, timings, fit.classifier_meta["test_accuracy"], fit.test_mse, fit.recon_accuracy
-    )
-    meta = image_build_metadata(name, seed, vae_steps, fit, report, sglang_model_id)
-    (out_dir / metadata_file).write_text(json.dumps(meta, indent=2) + "\n")
-    return report

@@ -30,10 +30,12 @@ IMAGE_SIZE = LATENT_SIZE * 2 ** (len(VAE_BLOCKS) - 1)
 SEED_OFFSETS = {"text_encoder": 1, "text_encoder_2": 2, "text_encoder_3": 3, "transformer": 4, "vae": 5}
 
 
-def seeded(seed: int, name: str) -> None:
+def seeded(seed: int, name: str, offsets: dict[str, int] | None = None) -> None:
+    """Seed torch for the component `name`: `seed * 1000 + offsets[name]` (default: tiny-sd3's `SEED_OFFSETS`), so
+    each init is independent of the order the others are made in."""
     import torch
 
-    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
+    torch.manual_seed(seed * 1000 + (SEED_OFFSETS if offsets is None else offsets)[name])
 
 
 def make_clip_text_encoder(seed: int, name: str, tok: dict[str, int]) -> Any:

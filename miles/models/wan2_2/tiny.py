@@ -30,23 +30,14 @@ Components (each initialised from its own seed; torch/diffusers/transformers are
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles.models.loading import quiet_loading
-from miles.models.tiny.build import (
-    BuildReport,
-    Progress,
-    build_atomically,
-    library_versions,
-    phase_timer,
-    pipeline_report,
-    score_and_save_video_classifier,
-)
-from miles.models.tiny.metadata import FORMAT_VERSION, TINY_METADATA_FILE, current_design
+from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.components import seeded
+from miles.models.tiny.frame import MovingDigitsBuild
+from miles.models.tiny.metadata import FORMAT_VERSION, current_design
+from miles.models.tiny.video_vae import decode_unclamped, make_wan_vae, video_prompts
 
 __all__ = ["TINY_WAN2_2_NAME", "BuildReport", "build_tiny_wan2_2"]
 
@@ -125,24 +116,6 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
-class _WanProgress(Progress):
-    label = TINY_WAN2_2_NAME
-
-
-def _seeded(seed: int, name: str) -> None:
-    import torch
-
-    torch.manual_seed(seed * 1000 + SEED_OFFSETS[name])
-
-
-def video_prompts() -> list[str]:
-    """Every moving-digit prompt (digit x direction): the words the tokenizer's vocab adds."""
-    from miles.data.digits import NUM_LABELS
-    from miles.data.digits_video import DIRECTIONS, prompt_for
-
-    return [prompt_for(k, d) for k in range(NUM_LABELS) for d in DIRECTIONS]
-
-
 def make_tokenizer() -> Any:
     """tiny-sd3's T5 tokenizer with the moving-digit prompts' words in its vocab."""
     from miles.models.tiny.tokenizers import build_t5_tokenizer
@@ -171,7 +144,7 @@ def make_text_encoder(seed: int, tokenizer: Any) -> Any:
         use_cache=False,
         tie_word_embeddings=False,
     )
-    _seeded(seed, "text_encoder")
+    seeded(seed, "text_encoder", SEED_OFFSETS)
     return UMT5EncoderModel(config).eval()
 
 
@@ -179,7 +152,7 @@ def make_transformer(seed: int, name: str = "transformer") -> Any:
     """One tiny `WanTransformer3DModel` expert (random); `name` ("transformer" or "transformer_2") picks its seed."""
     from diffusers import WanTransformer3DModel
 
-    _seeded(seed, name)
+    seeded(seed, name, SEED_OFFSETS)
     return WanTransformer3DModel(
         patch_size=PATCH_SIZE,
         num_attention_heads=NUM_ATTENTION_HEADS,
@@ -199,55 +172,99 @@ def make_transformer(seed: int, name: str = "transformer") -> Any:
 
 def make_vae(seed: int) -> Any:
     """The tiny `AutoencoderKLWan` (latents_mean/std are placeholders until `set_latents_mean_std`)."""
-    from diffusers import AutoencoderKLWan
-
-    _seeded(seed, "vae")
-    import torch
-
-    channels = 3 * VAE_PIXEL_PATCH**2 if VAE_PIXEL_PATCH > 1 else 3
-    vae = AutoencoderKLWan(
+    return make_wan_vae(
+        seed,
+        SEED_OFFSETS,
         base_dim=VAE_BASE_DIM,
         z_dim=LATENT_CHANNELS,
         dim_mult=list(VAE_DIM_MULT),
-        num_res_blocks=1,
-        temperal_downsample=list(VAE_TEMPORAL_DOWNSAMPLE),
-        latents_mean=[0.0] * LATENT_CHANNELS,
-        latents_std=[1.0] * LATENT_CHANNELS,
-        in_channels=channels,
-        out_channels=channels,
-        patch_size=VAE_PIXEL_PATCH if VAE_PIXEL_PATCH > 1 else None,
-        scale_factor_temporal=TEMPORAL_COMPRESSION,
-        scale_factor_spatial=SPATIAL_COMPRESSION,
+        temporal_downsample=list(VAE_TEMPORAL_DOWNSAMPLE),
+        pixel_patch=VAE_PIXEL_PATCH,
+        temporal_compression=TEMPORAL_COMPRESSION,
+        spatial_compression=SPATIAL_COMPRESSION,
+        init_logvar=VAE_INIT_LOGVAR,
     )
-    with torch.no_grad():  # the posterior's log-variance channels start small (see VAE_INIT_LOGVAR)
-        vae.quant_conv.bias[LATENT_CHANNELS:] = VAE_INIT_LOGVAR
-    return vae
-
-
-def decode_unclamped(vae: Any, z: Any) -> Any:
-    """`vae.decode(z)` before its final clamp to [-1, 1] (the VAE fit's reconstruction).
-
-    Through the clamp, a pixel the decoder pushes below -1 gets no gradient: early in the fit the decoder
-    drives nearly every pixel (the digit's too) under -1 to match the black background, and the fit stalls
-    there. The decoder's per-latent-frame outputs are collected by a hook, then un-patched as `decode` does.
-    """
-    import torch
-    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-    chunks: list[Any] = []
-    handle = vae.decoder.register_forward_hook(lambda module, args, out: chunks.append(out))
-    try:
-        vae.decode(z)
-    finally:
-        handle.remove()
-    out = torch.cat(chunks, dim=2)
-    return out if vae.config.patch_size is None else unpatchify(out, patch_size=vae.config.patch_size)
 
 
 def make_scheduler() -> Any:
     from diffusers import UniPCMultistepScheduler
 
     return UniPCMultistepScheduler(**SCHEDULER_CONFIG)
+
+
+class TinyWan22Build(MovingDigitsBuild):
+    """tiny-wan2_2's phases: tiny-sd3's T5 tokenizer with the moving-digit words, a UMT5 encoder, two experts, a
+    Wan VAE with 4x4 pixel patches fitted to the moving digits."""
+
+    name = TINY_WAN2_2_NAME
+    num_frames = NUM_FRAMES
+    stats_videos = VAE_STATS_VIDEOS
+
+    def tokenizers(self) -> None:
+        self.tokenizer = make_tokenizer()
+        self.prompt_tokens = max(len(self.tokenizer(p).input_ids) for p in video_prompts())
+        assert self.prompt_tokens <= TINY_WAN_MAX_SEQUENCE_LENGTH, self.prompt_tokens
+
+    def text_encoders(self) -> None:
+        self.text_encoder = make_text_encoder(self.seed, self.tokenizer)
+
+    def transformer(self) -> None:
+        self.dit = make_transformer(self.seed, "transformer")
+        self.dit_2 = make_transformer(self.seed, "transformer_2")
+
+    def make_vae(self) -> Any:
+        return make_vae(self.seed)
+
+    def fit_options(self) -> dict[str, Any]:
+        return {"batch_size": VAE_BATCH_SIZE, "lr": VAE_LR, "decode": decode_unclamped}
+
+    def latent_stats(self) -> None:
+        from miles.models.tiny import vae_fit
+
+        self.latents_mean, self.latents_std = vae_fit.set_latents_mean_std(self.vae, self.train[: self.stats_videos])
+
+    def pipeline(self) -> Any:
+        from diffusers import WanPipeline
+
+        return WanPipeline(
+            tokenizer=self.tokenizer,
+            text_encoder=self.text_encoder,
+            vae=self.vae,
+            scheduler=make_scheduler(),
+            transformer=self.dit,
+            transformer_2=self.dit_2,
+            boundary_ratio=BOUNDARY_RATIO,
+        )
+
+    def metadata(self, report: BuildReport) -> dict[str, Any]:
+        from miles.data.digits import SPLIT_SEED
+        from miles.data.digits_video import PROMPT_TEMPLATE
+
+        return {
+            "name": TINY_WAN2_2_NAME,
+            "format_version": FORMAT_VERSION,
+            "design": current_design(TINY_WAN2_2_NAME),
+            "seed": self.seed,
+            "resolution": RESOLUTION,
+            "num_frames": NUM_FRAMES,
+            "fps": FPS,
+            "latent_size": LATENT_SIZE,
+            "latent_frames": LATENT_FRAMES,
+            "latent_channels": LATENT_CHANNELS,
+            "max_sequence_length": TINY_WAN_MAX_SEQUENCE_LENGTH,
+            "boundary_ratio": BOUNDARY_RATIO,
+            "flow_shift": SCHEDULER_CONFIG["flow_shift"],
+            "prompt_template": PROMPT_TEMPLATE,
+            "data": {"name": "digits-video", "split_seed": SPLIT_SEED},
+            "sglang_model_id": SGLANG_MODEL_ID,
+            "tokenizer": {"vocab_size": len(self.tokenizer), "digit_prompt_tokens": self.prompt_tokens},
+            "vae": self.vae_metadata(TEMPORAL_COMPRESSION, SPATIAL_COMPRESSION, VAE_BATCH_SIZE, VAE_LR),
+            "digit_classifier": {
+                "path": "digit_classifier",
+                "input": "video",
+                "test_accuracy": report.classifier_test_accuracy,
+            },
+        }
 
 
 def build_tiny_wan2_2(
@@ -258,117 +275,4 @@ def build_tiny_wan2_2(
 
 
 def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    start = time.perf_counter()
-    timings: dict[str, float] = {}
-
-    with _WanProgress(progress, vae_steps) as bar:
-        phase = phase_timer(timings, bar)
-        with phase("tokenizers"):
-            tokenizer = make_tokenizer()
-            prompt_tokens = max(len(tokenizer(p).input_ids) for p in video_prompts())
-            assert prompt_tokens <= TINY_WAN_MAX_SEQUENCE_LENGTH, prompt_tokens
-        with phase("text encoders"):
-            text_encoder = make_text_encoder(seed, tokenizer)
-        with phase("transformer"):
-            transformer = make_transformer(seed, "transformer")
-            transformer_2 = make_transformer(seed, "transformer_2")
-        with phase("data"):
-            import torch
-
-            from miles.data.digits import load_digits_split
-            from miles.models.tiny import vae_fit
-
-            split = load_digits_split()
-            train_videos, _ = vae_fit.digit_videos_to_vae_input(split.train_x, NUM_FRAMES)
-            test_videos, test_directions = vae_fit.digit_videos_to_vae_input(split.test_x, NUM_FRAMES)
-        with phase("vae fit", advance=False):
-            vae = make_vae(seed)
-            on_step: Callable[[int, float], None] = lambda step, loss: bar.advance()  # noqa: E731
-            vae_fit.fit_vae(
-                vae,
-                train_videos,
-                steps=vae_steps,
-                batch_size=VAE_BATCH_SIZE,
-                lr=VAE_LR,
-                seed=seed,
-                on_step=on_step,
-                decode=decode_unclamped,
-            )
-        with phase("vae stats"):
-            latents_mean, latents_std = vae_fit.set_latents_mean_std(vae, train_videos[:VAE_STATS_VIDEOS])
-            recon = vae_fit.reconstruct(vae, test_videos, batch_size=32)
-            vae_mse = float(torch.nn.functional.mse_loss(recon, test_videos))
-        with phase("classifier"):
-            clf_meta, frame_acc, direction_acc = score_and_save_video_classifier(
-                tmp, recon, split.test_y, test_directions
-            )
-        with phase("save"):
-            from diffusers import WanPipeline
-
-            pipe = WanPipeline(
-                tokenizer=tokenizer,
-                text_encoder=text_encoder,
-                vae=vae,
-                scheduler=make_scheduler(),
-                transformer=transformer,
-                transformer_2=transformer_2,
-                boundary_ratio=BOUNDARY_RATIO,
-            )
-            with quiet_loading():
-                pipe.save_pretrained(tmp)
-        report = pipeline_report(pipe, tmp, start, timings, clf_meta["test_accuracy"], vae_mse, frame_acc)
-        tokens = {"vocab_size": len(tokenizer), "digit_prompt_tokens": prompt_tokens}
-        vae_meta = {
-            "latents_mean": latents_mean,
-            "latents_std": latents_std,
-            "temporal_compression": TEMPORAL_COMPRESSION,
-            "spatial_compression": SPATIAL_COMPRESSION,
-            "fit_steps": vae_steps,
-            "batch_size": VAE_BATCH_SIZE,
-            "lr": VAE_LR,
-            "stats_videos": VAE_STATS_VIDEOS,
-            "test_mse": round(vae_mse, 6),
-            "test_reconstruction_accuracy": frame_acc,  # per frame (the video classifier on each decoded frame)
-            "test_direction_accuracy": direction_acc,  # track_direction(decoded) == the video's direction
-        }
-        _write_metadata(tmp, seed, tokens, vae_meta, report)
-        bar.describe("done")
-    return report
-
-
-def _write_metadata(
-    out: Path, seed: int, tokens: dict[str, int], vae_meta: dict[str, Any], report: BuildReport
-) -> None:
-    from miles.data.digits import SPLIT_SEED
-    from miles.data.digits_video import PROMPT_TEMPLATE
-
-    meta = {
-        "name": TINY_WAN2_2_NAME,
-        "format_version": FORMAT_VERSION,
-        "design": current_design(TINY_WAN2_2_NAME),
-        "seed": seed,
-        "resolution": RESOLUTION,
-        "num_frames": NUM_FRAMES,
-        "fps": FPS,
-        "latent_size": LATENT_SIZE,
-        "latent_frames": LATENT_FRAMES,
-        "latent_channels": LATENT_CHANNELS,
-        "max_sequence_length": TINY_WAN_MAX_SEQUENCE_LENGTH,
-        "boundary_ratio": BOUNDARY_RATIO,
-        "flow_shift": SCHEDULER_CONFIG["flow_shift"],
-        "prompt_template": PROMPT_TEMPLATE,
-        "data": {"name": "digits-video", "split_seed": SPLIT_SEED},
-        "sglang_model_id": SGLANG_MODEL_ID,
-        "tokenizer": tokens,
-        "vae": vae_meta,
-        "digit_classifier": {
-            "path": "digit_classifier",
-            "input": "video",
-            "test_accuracy": report.classifier_test_accuracy,
-        },
-        "params": report.params,
-        "build_seconds": report.seconds,
-        "phase_seconds": report.phase_seconds,
-        "versions": library_versions(),
-    }
-    (out / TINY_METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return TinyWan22Build(tmp, seed, vae_steps).run(progress)
