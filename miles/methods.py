@@ -61,7 +61,7 @@ METHODS: dict[str, Method] = {
             on_rollouts=True,
             guided_forward=True,
             rules="check_policy_loss",
-            own_flags=("diffusion_recompute_old_log_prob",),
+            own_flags=("diffusion_recompute_old_log_prob", "diffusion_grpo_guard"),
         ),
         Method(
             "nft",

@@ -8,6 +8,9 @@ Per trained transition (one per sample, or one per sample and step when the inpu
     kl       = mean_CHW((mean_new - mean_ref)**2) / (2 * std_dev_t**2)   # per sample
     loss     = mean(per) + kl_beta * mean(kl)                          # kl_beta = --diffusion-kl-beta
 
+GRPO-Guard (`--diffusion-grpo-guard`) passes its normalised `log_ratio` for `log(ratio)` and a per-transition
+`weight` (`1/|dt|`) that multiplies `per` before the mean (`miles.algorithms.grpo_guard`).
+
 The log-probs are the per-sample *means* over the non-batch dims that `miles.rollout.sde.sde_step` returns, and
 the KL divides by `std_dev_t**2` without the `|dt|` factor and averages over elements; both conventions come
 from flow_grpo and the tuned `eps` and `kl_beta` values depend on them. The exact Gaussian KL of the two step
@@ -65,6 +68,8 @@ def policy_loss(
     mean_new: torch.Tensor | None = None,
     mean_ref: torch.Tensor | None = None,
     std_dev_t: torch.Tensor | float | None = None,
+    log_ratio: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flow-GRPO loss and diagnostics.
 
@@ -77,6 +82,9 @@ def policy_loss(
     mean_new      `[B, ...]` trained step mean (`StepResult.mean`), needed when kl_beta > 0
     mean_ref      `[B, ...]` reference step mean (no grad), needed when kl_beta > 0
     std_dev_t     the trained step's `StepResult.std_dev_t` (number, 0-d or `[B]`), needed when kl_beta > 0
+    log_ratio     the log-ratio to clip instead of `log_prob_new - log_prob_old` (GRPO-Guard's RatioNorm,
+                  `miles.algorithms.grpo_guard`); same shape, carries the graph
+    weight        a per-transition weight of the clipped term (GRPO-Guard's `1/|dt|`), `[B]` or the log-probs' shape
 
     With kl_beta == 0 but all three KL inputs given, `kl_loss` is still reported (computed without grad).
     Metrics: loss, policy_loss, kl_loss, loss_abs_mean, clipfrac, clipfrac_gt_one, clipfrac_lt_one,
@@ -98,10 +106,18 @@ def policy_loss(
     adv = clamp_advantages(adv, adv_clip_max).expand_as(log_prob_new)
 
     delta = log_prob_new - log_prob_old
-    ratio = torch.exp(delta)
+    if log_ratio is not None:
+        if log_ratio.shape != log_prob_new.shape:
+            raise ValueError(f"log_ratio {tuple(log_ratio.shape)} must match log_prob_new {tuple(log_prob_new.shape)}")
+        ratio = torch.exp(promote(log_ratio).to(log_prob_new.dtype))
+    else:
+        ratio = torch.exp(delta)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     per = torch.maximum(unclipped, clipped)
+    if weight is not None:
+        w = promote(weight).detach().to(device=per.device, dtype=per.dtype)
+        per = per * (w[:, None] if w.ndim == 1 and per.ndim == 2 else w)
     pg_loss = per.mean()
 
     kl_inputs = (mean_new, mean_ref, std_dev_t)
@@ -120,7 +136,7 @@ def policy_loss(
                 kl_loss = flow_grpo_kl(mean_new.detach(), mean_ref, std_dev_t).mean()
 
     with torch.no_grad():
-        d = delta.detach()
+        d = delta.detach()  # the engine-trainer log-prob difference, whatever ratio is clipped
         r = ratio.detach()
         metrics = {
             "loss": float(loss),

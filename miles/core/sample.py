@@ -12,6 +12,8 @@ Shapes (one sample; T = number of denoising steps, latents are C x h x w):
     Trajectory.log_probs    [len(sde_step_indices)]  log-prob of each recorded SDE transition
                                             x_i -> x_{i+1}, averaged over latent elements
     Trajectory.debug_model_outputs [T, C, h, w]  the engine's guided velocity per step (debug mode only)
+    Trajectory.sde_means    [len(sde_step_indices), C, h, w]  the engine's step mean of each recorded SDE
+                                            transition (--diffusion-grpo-guard only)
     Conditions.*            the prompt's encoder outputs (positive; negative when CFG is on)
     Sample.image            [3, H, W] float in [0, 1], the decoded image the reward saw; a video sample's
                             is [3, F, H, W] (latents are then C x f x h x w)
@@ -39,6 +41,9 @@ class Trajectory:
     # --diffusion-debug-mode: the engine's guided model output at every step [T, *latent], what the trainer's
     # forward is compared with (train/model_output_*_abs_diff)
     debug_model_outputs: torch.Tensor | None = None
+    # --diffusion-grpo-guard: the behaviour policy's step mean of every recorded SDE step [S, *latent] (in the
+    # order of sde_step_indices), what RatioNorm's bias term compares the trainer's mean with
+    sde_means: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -91,6 +96,9 @@ class Sample:
     remove_sample: bool = False
     status: str = PENDING
     inference_time_s: float = 0.0
+    # the denoiser evaluations that made it: one per row and step (a CFG pair counts once), a shared prefix's
+    # divided among the samples that branch from it (`rollout/denoiser_calls` sums them)
+    denoiser_calls: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

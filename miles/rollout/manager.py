@@ -66,9 +66,14 @@ def build_requests(
     strategy: Any,
     evaluation: bool = False,
     allowed_steps: list[int] | None = None,
+    rollout_id: int | None = None,
 ) -> list[GenerateRequest]:
-    """One request per microgroup, in batch order; `allowed_steps` confines the SDE steps (trained experts)."""
+    """One request per microgroup, in batch order; `allowed_steps` confines the SDE steps (trained experts);
+    `rollout_id` is the rollout being sampled (a strategy reads it as `args.rollout_id`). Under
+    `--diffusion-shared-prefix` or `--diffusion-post-sde-steps-ratio` the strategy draws once per microgroup, with
+    its first sample's seed, and every sample of the microgroup takes those steps."""
     size = max(1, int(args.rollout_microgroup_size))
+    per_microgroup = bool(args.diffusion_shared_prefix) or args.diffusion_post_sde_steps_ratio is not None
     num_steps = (
         int(args.diffusion_eval_num_steps or args.diffusion_num_steps) if evaluation else int(args.diffusion_num_steps)
     )
@@ -79,8 +84,13 @@ def build_requests(
             deterministic = args.diffusion_sde_type == "ode" or float(args.diffusion_noise_level) == 0.0
             if evaluation or deterministic:  # no stochastic step: nothing for a strategy to choose
                 sde_steps: list[list[int]] = [[] for _ in micro]
+            elif per_microgroup:
+                steps = select_steps(args, micro[0], num_steps, micro[0].seed, strategy, allowed_steps, rollout_id)[0]
+                sde_steps = [list(steps) for _ in micro]
             else:
-                sde_steps = [select_steps(args, s, num_steps, s.seed, strategy, allowed_steps)[0] for s in micro]
+                sde_steps = [
+                    select_steps(args, s, num_steps, s.seed, strategy, allowed_steps, rollout_id)[0] for s in micro
+                ]
             requests.append(
                 GenerateRequest(
                     prompt=micro[0].prompt,
@@ -104,6 +114,10 @@ def build_requests(
                     if args.diffusion_guidance_scale_2 is None
                     else float(args.diffusion_guidance_scale_2),
                     debug=bool(args.diffusion_debug_mode) and not evaluation,
+                    record_means=bool(args.diffusion_grpo_guard) and not evaluation,
+                    shared_prefix=bool(args.diffusion_shared_prefix) and not evaluation,
+                    ode_solver="euler" if evaluation else args.diffusion_ode_solver,
+                    post_sde_steps_ratio=None if evaluation else args.diffusion_post_sde_steps_ratio,
                 )
             )
     return requests
@@ -379,7 +393,9 @@ class RolloutManager:
                 self.supervisor.inject_crash(rollout_id)  # --ci-test --use-fault-tolerance, rollout id >= 2
             if not hasattr(self, "_allowed_steps"):
                 self._allowed_steps = trained_expert_steps(args, int(args.diffusion_num_steps))
-            requests = build_requests(args, groups, self.strategy, allowed_steps=self._allowed_steps)
+            requests = build_requests(
+                args, groups, self.strategy, allowed_steps=self._allowed_steps, rollout_id=rollout_id
+            )
             by_index = {s.index: s for s in self.run_requests(requests, score=True)}
             groups = [[_merge(s, by_index[s.index]) for s in group] for group in groups]
         generated = time.perf_counter()
@@ -409,6 +425,10 @@ class RolloutManager:
             "perf/rollout_time": time.perf_counter() - start,
             **hook_metrics,
         }
+        calls = sum(s.denoiser_calls for s in flat)
+        if calls:  # what the engine computed for this rollout (a shared prefix counted once)
+            metrics["rollout/denoiser_calls"] = calls
+            metrics["rollout/denoiser_calls_per_sample"] = calls / len(flat)
         log_probs = [lp for s in samples if s.trajectory is not None for lp in s.trajectory.log_probs.tolist()]
         if log_probs:
             metrics["rollout/log_prob_mean"] = statistics.fmean(log_probs)

@@ -12,9 +12,10 @@ returning `(sde_step_indices, return_step_indices)`:
     return `S ∪ (S+1)` (the inputs and outputs of the SDE steps); None means no preference (keep all).
     The engine always keeps the final latent anyway, to decode the image.
 
-`args` is any object with the flags as attributes (a missing flag reads as its default). `seed` is the
-seed the engine passes (a sample's or a microgroup's seed, see `miles.rollout.seeds`): strategies that
-depend on it are reproducible per seed.
+`args` is any object with the flags as attributes (a missing flag reads as its default); in a rollout it also
+carries `rollout_id`, the rollout being sampled (absent elsewhere: read it with `getattr(args, "rollout_id",
+None)`). `seed` is the seed the engine passes (a sample's, or under `--diffusion-shared-prefix` its microgroup's,
+see `miles.rollout.seeds`): strategies that depend on it are reproducible per seed.
 
 Stock strategies (name them by their bare name or full dotted path):
   - `sde_window`: a random contiguous window of `--diffusion-num-sde-steps` W steps inside
@@ -25,6 +26,13 @@ Stock strategies (name them by their bare name or full dotted path):
     `torch.Generator().manual_seed(epoch + rollout_seed)` so every sample of the epoch shares them; all
     candidates when k == 0 or k >= len(candidates).
   - `ode_and_return_last`: no SDE step, only the final latent returned (the NFT-style request).
+  - `mix_grpo_window`: MixGRPO's sliding window (algorithms_next.md C.2): W = `--diffusion-num-sde-steps`
+    consecutive steps starting at `c = lo + s * (k // tau) mod (the positions of [lo, hi))`, where k is the
+    rollout id, tau = `--diffusion-sde-window-interval` rollouts, s = `--diffusion-sde-window-stride` and
+    [lo, hi) = `--diffusion-sde-window-range` (default: every step but the last). Every sample of a rollout gets
+    the same window; a window that reaches past hi is cut there (MixGRPO's last windows, e.g. [20, 21, 22] of
+    [0, 23)), and after the last start in [lo, hi) it rolls back to lo. MixGRPO's own schedule also yields an
+    empty window (start = hi) once per cycle, an all-ODE rollout with nothing to train; this one never does.
 
 Default when `--diffusion-step-strategy-path` is unset (`default_steps`), our choice:
   - `--diffusion-num-sde-steps N > 0`: `sde_window` with W = N. It honours `--diffusion-sde-window-range`
@@ -117,6 +125,37 @@ def epoch_global_random_choice(args: Any, sample: Any, num_steps: int, seed: int
     return steps, return_indices(steps)
 
 
+def mix_window(rollout_id: int, lo: int, hi: int, window: int, interval: int, stride: int) -> list[int]:
+    """MixGRPO's SDE window at rollout `rollout_id` over the steps [lo, hi) (see the module docstring)."""
+    if not 0 <= lo < hi or window < 1 or interval < 1 or stride < 1:
+        raise ValueError(
+            f"a MixGRPO window needs 0 <= lo < hi and W, interval, stride >= 1 "
+            f"(got [{lo}, {hi}), W {window}, interval {interval}, stride {stride})"
+        )
+    positions = -(-(hi - lo) // stride)  # the window starts lo, lo + s, ... below hi
+    start = lo + ((rollout_id // interval) % positions) * stride
+    return list(range(start, min(start + window, hi)))
+
+
+def mix_grpo_window(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
+    """MixGRPO's window, moved every `--diffusion-sde-window-interval` rollouts (the same for every sample)."""
+    window = int(args.diffusion_num_sde_steps or 0)
+    if window <= 0:
+        raise ValueError(f"the mix_grpo_window strategy needs --diffusion-num-sde-steps > 0 (got {window})")
+    if args.diffusion_sde_window_range is None:
+        lo, hi = 0, num_steps - 1  # never the last step: its density is too sharp to train on
+    else:
+        lo, hi = _window_range(args, num_steps)
+    if not 0 <= lo < hi <= num_steps:
+        raise ValueError(f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= {num_steps}")
+    rollout_id = getattr(args, "rollout_id", None)
+    if rollout_id is None:  # outside a rollout manager: the epoch of the sample's group, as epoch_global_random_choice
+        rollout_id = int(sample.group_index) // max(1, int(args.rollout_batch_size or 1))
+    interval, stride = int(args.diffusion_sde_window_interval), int(args.diffusion_sde_window_stride)
+    steps = mix_window(int(rollout_id), lo, hi, window, interval, stride)
+    return steps, return_indices(steps)
+
+
 def ode_and_return_last(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[None, list[int]]:
     """No SDE step; only the final latent is needed (DiffusionNFT trains from the final image)."""
     return None, [num_steps]
@@ -139,6 +178,7 @@ STOCK_STRATEGIES: dict[str, StepStrategy] = {
     "sde_window": sde_window,
     "epoch_global_random_choice": epoch_global_random_choice,
     "ode_and_return_last": ode_and_return_last,
+    "mix_grpo_window": mix_grpo_window,
     "default_steps": default_steps,
 }
 
@@ -189,6 +229,17 @@ class _Confined:
         return getattr(self._args, name)
 
 
+class _InRollout:
+    """`args` seen by a strategy during rollout `rollout_id` (`args.rollout_id`)."""
+
+    def __init__(self, args: Any, rollout_id: int) -> None:
+        self._args = args
+        self.rollout_id = rollout_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._args, name)
+
+
 def select_steps(
     args: Any,
     sample: Any,
@@ -196,6 +247,7 @@ def select_steps(
     seed: int,
     strategy: StepStrategy | None = None,
     allowed: list[int] | None = None,
+    rollout_id: int | None = None,
 ) -> tuple[list[int], list[int] | None]:
     """Run the strategy (resolved from `args` unless given) and normalize its answer for the engine.
 
@@ -207,6 +259,8 @@ def select_steps(
     """
     fn = strategy or resolve_step_strategy(args)
     name = getattr(fn, "__qualname__", repr(fn))
+    if rollout_id is not None:
+        args = _InRollout(args, rollout_id)
     if allowed is not None:
         if not allowed:
             raise ValueError("the trained experts make none of the denoising steps (--update-weight-target-module)")

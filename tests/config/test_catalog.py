@@ -268,6 +268,13 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--sglang-python": (PATH, None),
     "--rollout-engine-host": (STR, "127.0.0.1"),
     "--sglang-start-timeout": (FLOAT, 600.0),
+    # issue 32: GRPO-Guard, Flow-GRPO-Fast's shared prefix, MixGRPO's window, solver and compressed schedule
+    "--diffusion-grpo-guard": (BOOL, False),
+    "--diffusion-sde-window-interval": (INT, 25),
+    "--diffusion-sde-window-stride": (INT, 1),
+    "--diffusion-shared-prefix": (BOOL, False),
+    "--diffusion-ode-solver": (ENUM, "euler"),
+    "--diffusion-post-sde-steps-ratio": (FLOAT, None),
 }
 
 EXPECTED_GROUPS = (

@@ -42,6 +42,18 @@ def test_recompute_old_log_prob_is_for_policy_loss_only() -> None:
     assert_names(message, "--diffusion-recompute-old-log-prob on (cli)", "--loss-type policy_loss only", "nft")
 
 
+def test_grpo_guard_needs_the_flow_sde_kernel() -> None:
+    """RatioNorm normalises the Flow-SDE Gaussian's log-ratio; CPS has no 1/(2 s^2) to normalise, and the guard is
+    policy_loss's option."""
+    assert run(diffusion_grpo_guard=True).args.diffusion_grpo_guard is True
+    message = rejected(diffusion_grpo_guard=True, diffusion_sde_type="cps")
+    assert_names(
+        message, "--diffusion-grpo-guard on (cli)", "--diffusion-sde-type cps (cli)", "use --diffusion-sde-type sde"
+    )
+    message = rejected(diffusion_grpo_guard=True, loss_type="nft", use_ema=True)
+    assert_names(message, "--diffusion-grpo-guard on (cli)", "--loss-type policy_loss only", "nft")
+
+
 @pytest.mark.parametrize(
     ("job", "dest", "value", "why"),
     [

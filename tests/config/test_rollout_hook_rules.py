@@ -71,3 +71,19 @@ def test_engine_side_log_prob_knobs_refused_on_sglang(dest: str, value: object) 
     message = rejected(rollout_backend="sglang", **{dest: value})
     assert_names(message, "--rollout-backend sglang", "computes its own log-probs")
     assert getattr(run(rollout_backend="diffusers", **{dest: value}).args, dest) == value
+
+
+@pytest.mark.parametrize(
+    ("dest", "value", "why"),
+    [
+        ("diffusion_grpo_guard", True, "does not return"),
+        ("diffusion_shared_prefix", True, "its own seed on its own schedule"),
+        ("diffusion_post_sde_steps_ratio", 0.4, "its own seed on its own schedule"),
+        ("diffusion_ode_solver", "dpmpp_2m", "its scheduler's"),
+    ],
+)
+def test_diffusers_engine_sampling_plans_refused_on_sglang(dest: str, value: object, why: str) -> None:
+    group = {"rollout_microgroup_size": 4}  # a shared prefix needs microgroups of several samples
+    message = rejected(rollout_backend="sglang", **group, **{dest: value})
+    assert_names(message, "--rollout-backend sglang", why, "use --rollout-backend diffusers")
+    assert getattr(run(rollout_backend="diffusers", **group, **{dest: value}).args, dest) == value

@@ -54,6 +54,15 @@ FLAGS: list[Flag] = [
         "Recompute old log-probs with the trainer instead of using the engine's; policy_loss only.",
     ),
     _f(
+        "diffusion-grpo-guard",
+        BOOL,
+        False,
+        "GRPO-Guard: normalise each trained step's log-ratio (RatioNorm) and weight its loss by 1/|dt|; Flow-SDE "
+        "rollouts only; the normalised ratio is s times smaller, so use a smaller --diffusion-clip-range (peers: "
+        "2e-6 to 4e-6); policy_loss only.",
+        jobs=NFT_JOBS,
+    ),
+    _f(
         "diffusion-kl-beta",
         FLOAT,
         0.0,

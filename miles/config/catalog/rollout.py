@@ -106,6 +106,45 @@ FLAGS: list[Flag] = [
         min=0,
     ),
     _f(
+        "diffusion-sde-window-interval",
+        INT,
+        25,
+        "mix_grpo_window strategy: rollouts between two moves of the SDE window (MixGRPO's iters_per_group).",
+        min=1,
+    ),
+    _f(
+        "diffusion-sde-window-stride",
+        INT,
+        1,
+        "mix_grpo_window strategy: steps the SDE window moves by (MixGRPO's prog_overlap_step).",
+        min=1,
+    ),
+    _f(
+        "diffusion-shared-prefix",
+        BOOL,
+        False,
+        "The samples of a microgroup start from one initial noise and run the steps before their SDE window once, "
+        "then branch (Flow-GRPO-Fast; MixGRPO's init_same_noise); the step strategy draws once per microgroup. "
+        "Diffusers backend only.",
+    ),
+    _f(
+        "diffusion-ode-solver",
+        ENUM,
+        "euler",
+        "Solver of the deterministic steps after the SDE window: euler, or DPM-Solver++ 2M (MixGRPO-Flash). "
+        "Evaluation always uses euler. Diffusers backend only.",
+        choices=("euler", "dpmpp_2m"),
+    ),
+    _f(
+        "diffusion-post-sde-steps-ratio",
+        FLOAT,
+        None,
+        "Compress the steps after the SDE window to this fraction of their number (at least one step, ending at "
+        "sigma 0; MixGRPO-Flash: 0.4); the strategy draws once per microgroup. Diffusers backend only.",
+        min=0,
+        max=1,
+    ),
+    _f(
         "diffusion-sde-candidate-steps",
         INT_LIST,
         None,

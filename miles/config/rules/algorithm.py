@@ -54,6 +54,24 @@ def check_sampler(res: Resolution, job: JobSpec) -> None:
     stochastic = res["diffusion_sde_type"] != "ode" and res["diffusion_noise_level"] > 0
     if strategy.endswith(".sde_window") and stochastic and res["diffusion_num_sde_steps"] == 0:
         res.fail(f"{res.show('diffusion_step_strategy_path')} needs --diffusion-num-sde-steps > 0 (the window size)")
+    if strategy.endswith(".mix_grpo_window") and stochastic and res["diffusion_num_sde_steps"] == 0:
+        res.fail(f"{res.show('diffusion_step_strategy_path')} needs --diffusion-num-sde-steps > 0 (the window size)")
+    stock = not strategy or strategy.startswith(STEP_STRATEGY_HUB)
+    if stock and not strategy.endswith(".mix_grpo_window"):
+        for dest in ("diffusion_sde_window_interval", "diffusion_sde_window_stride"):
+            if res.explicit(dest):
+                res.fail(
+                    f"{res.show(dest)} moves the window of the mix_grpo_window strategy, which "
+                    f"{res.show('diffusion_step_strategy_path')} is not"
+                )
+    ratio = res["diffusion_post_sde_steps_ratio"]
+    if ratio is not None and ratio <= 0:
+        res.fail(f"{res.show('diffusion_post_sde_steps_ratio')} must be in (0, 1]")
+    if res["diffusion_shared_prefix"] and res["rollout_microgroup_size"] == 1:
+        res.fail(
+            f"{res.show('diffusion_shared_prefix')} shares a prefix among the samples of a microgroup, and "
+            f"{res.show('rollout_microgroup_size')} has one sample each"
+        )
     if strategy.endswith(".sde_window"):
         lo, hi = window if window is not None else (0, num_steps)
         if res["diffusion_num_sde_steps"] > hi - lo:

@@ -35,6 +35,23 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
         )
     if job.name == "dmd2":
         res.fail(f"{res.show('rollout_backend')}: train dmd2 samples its few-step student on the diffusers backend")
+    for dest in ("diffusion_shared_prefix", "diffusion_post_sde_steps_ratio"):
+        if res[dest] not in (None, False):
+            res.fail(
+                f"{res.show(dest)} with {res.show('rollout_backend')}: the sglang server samples each output from "
+                "its own seed on its own schedule; use --rollout-backend diffusers"
+            )
+    if res["diffusion_ode_solver"] != "euler":
+        res.fail(
+            f"{res.show('diffusion_ode_solver')} with {res.show('rollout_backend')}: the sglang server's "
+            "deterministic steps are its scheduler's; use --rollout-backend diffusers"
+        )
+    if res["diffusion_grpo_guard"]:
+        res.fail(
+            f"{res.show('diffusion_grpo_guard')} with {res.show('rollout_backend')}: GRPO-Guard compares the "
+            "trainer's step means with the engine's, which the sglang server does not return; use --rollout-backend "
+            "diffusers"
+        )
     if not res["use_miles_router"]:
         if res.explicit("use_miles_router"):
             res.fail(f"{res.show('use_miles_router')}: sglang engines are reached through the miles router")

@@ -22,6 +22,12 @@ def check_policy_loss(res: Resolution, job: JobSpec) -> None:
             f"--loss-type policy_loss trains on stochastic steps, but {res.show('diffusion_sde_type')} "
             "samples none (use --loss-type nft for ODE rollouts)"
         )
+    if res["diffusion_grpo_guard"] and res["diffusion_sde_type"] != "sde":
+        res.fail(
+            f"{res.show('diffusion_grpo_guard')} normalises the Flow-SDE step's Gaussian log-ratio, and "
+            f"{res.show('diffusion_sde_type')} has no such density (CPS drops its 1/(2 s^2)); "
+            "use --diffusion-sde-type sde"
+        )
     if res["diffusion_num_sde_steps"] == 0 and not strategy:
         res.fail(
             "--loss-type policy_loss needs trained SDE steps: set --diffusion-num-sde-steps N "

@@ -38,6 +38,10 @@ class GenerateRequest:
     fps: float | None = None  # --diffusion-fps (video only: the frame rate of the video files)
     guidance_scale_2: float | None = None  # --diffusion-guidance-scale-2 (Wan2.2's low-noise expert)
     debug: bool = False  # --diffusion-debug-mode: return the model output of every step
+    record_means: bool = False  # --diffusion-grpo-guard: return the step mean of every SDE step
+    shared_prefix: bool = False  # --diffusion-shared-prefix: one initial noise, the steps before the SDE window once
+    ode_solver: str = "euler"  # --diffusion-ode-solver: the deterministic steps after the SDE window
+    post_sde_steps_ratio: float | None = None  # --diffusion-post-sde-steps-ratio: compress the steps after the window
 
     def __post_init__(self) -> None:
         m = len(self.seeds)

@@ -21,6 +21,8 @@ from miles.models.lora_sync import LoraMerger, is_lora_entry
 from miles.models.tiny.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.engine_state import HEALTH_GROUP, RecoverableEngine
+from miles.rollout.engines.sampling_plan import SamplingPlan
+from miles.rollout.ode_solvers import compress_after, data_prediction, dpmpp_2m_step
 from miles.rollout.sde import sde_step
 from miles.rollout.sde_backends import backend_step
 from miles.rollout.seeds import draw_normal, generator_device, noise_generator
@@ -224,28 +226,52 @@ class DiffusersEngine:
             neg_batch = {k: v[rows.to(v.device)] for k, v in neg.items()} if neg is not None else None
 
         shape = family.latent_shape(pipe, req.height, req.width, req.num_frames)
+        sde_sets = [set(steps) for r in reqs for steps in r.sde_steps]
+        stochastic = req.noise_level > 0 and req.sde_type != "ode"
+        plan = SamplingPlan.of(req, sde_sets if stochastic else [set() for _ in sde_sets])
         sigmas, timesteps = self._schedule(req.num_steps, shape)
+        if plan.compress_after is not None:  # --diffusion-post-sde-steps-ratio (MixGRPO-Flash)
+            sigmas, timesteps = compress_after(sigmas, timesteps, plan.compress_after, float(req.post_sde_steps_ratio))
+        num_steps = int(timesteps.shape[0])
         sde_mask = family.sde_mask(shape)  # None: every element stochastic (else e.g. LTX-2's audio by ODE)
         step_extra = {} if sde_mask is None else {"mask": sde_mask}
+        ndim = len(shape)
         generators = self.noise_generators(seeds)
         x = torch.stack([draw_normal(shape, g) for g in generators])
+        rows_now = m
+        if plan.branch_at is not None:  # --diffusion-shared-prefix: the first sample's noise, the prefix run once
+            x, rows_now = x[:1], 1
         record = not req.evaluation
         latents = [x] if record else []
         debug = record and (req.debug or bool(self.args.diffusion_debug_mode))
         outputs: list[torch.Tensor] = []
-        sde_sets = [set(steps) for r in reqs for steps in r.sde_steps]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(m)]
+        means: list[list[torch.Tensor]] = [[] for _ in range(m)]  # --diffusion-grpo-guard's behaviour means
         sigma_max = sigmas[1] if sigmas.shape[0] > 1 else sigmas[0]
+        calls = 0  # denoiser evaluations (rows x steps; a CFG pair counts once)
+        prev_pred: tuple[torch.Tensor, float] | None = None  # the last step's data prediction (dpmpp_2m)
 
-        for i in range(req.num_steps):
-            t = timesteps[i].expand(m).to(self.device)
+        for i in range(num_steps):
+            if i == plan.branch_at and rows_now < m:  # the group branches here
+                x, rows_now = x.expand(m, *shape).clone(), m
+            t = timesteps[i].expand(rows_now).to(self.device)
             model_in = x.to(self.device, self.dtype)
-            v = family.guided_velocity(self.transformer, model_in, t, cond_batch, neg_batch, cfg_scale, scale_2).cpu()
+            cond, neg_now = _first_rows(cond_batch, rows_now), _first_rows(neg_batch, rows_now)
+            v = family.guided_velocity(self.transformer, model_in, t, cond, neg_now, cfg_scale, scale_2).cpu()
+            calls += rows_now
             if debug:
                 outputs.append(v.float())
-            rows = [b for b in range(m) if i in sde_sets[b]] if req.noise_level > 0 and req.sde_type != "ode" else []
-            if len(rows) < m:
-                ode = sde_step(v, x, sigmas[i], sigmas[i + 1], sde_type="ode", noise_level=0.0)
+            rows = [b for b in range(rows_now) if i in sde_sets[b]] if stochastic else []
+            if len(rows) < rows_now:
+                ode = sde_step(v, x, sigmas[i], sigmas[i + 1], sde_type="ode", noise_level=0.0).prev_sample
+                post = [b for b in range(rows_now) if b not in rows and plan.after_window(b, i)]
+                if post and req.ode_solver == "dpmpp_2m":  # --diffusion-ode-solver after the SDE window
+                    m_prev, s_prev = prev_pred if prev_pred is not None else (None, None)
+                    pred = data_prediction(x, v, float(sigmas[i]))
+                    dpm = dpmpp_2m_step(x, pred, float(sigmas[i]), float(sigmas[i + 1]), m_prev, s_prev)
+                    ode = _rows_from(ode, dpm, post, rows_now, ndim)
+            if req.ode_solver == "dpmpp_2m":  # every step's data prediction feeds the next (window steps too)
+                prev_pred = (data_prediction(x, v, float(sigmas[i])), float(sigmas[i]))
             if rows:
                 noise = torch.zeros_like(x)
                 for b in rows:
@@ -262,25 +288,25 @@ class DiffusersEngine:
                     noise=noise,
                     **step_extra,
                 )
-                if len(rows) == m:
-                    x = res.prev_sample
-                else:
-                    mask = torch.zeros(m, dtype=torch.bool)
-                    mask[rows] = True
-                    x = torch.where(mask.view(-1, *([1] * len(shape))), res.prev_sample, ode.prev_sample)
+                full = len(rows) == rows_now
+                x = res.prev_sample if full else _rows_from(ode, res.prev_sample, rows, rows_now, ndim)
                 assert res.log_prob is not None
                 for b in rows:
                     log_probs[b].append(res.log_prob[b])
+                    if req.record_means:
+                        means[b].append(res.mean[b])
             else:
-                x = ode.prev_sample
+                x = ode
             if record:
                 latents.append(x)  # every step makes a new tensor: no copy needed
 
+        if rows_now < m:  # nothing branched (no SDE step): every sample is the shared trajectory
+            x = x.expand(m, *shape)
         images = family.decode_latents(pipe, x.to(self.device)).float().cpu()
         elapsed = time.perf_counter() - start
         samples: list[Sample] = []
-        stacked = torch.stack(latents, dim=1) if record else None
-        debug_outputs = torch.stack(outputs, dim=1) if outputs else None
+        stacked = torch.stack([lat.expand(m, *shape) for lat in latents], dim=1) if record else None
+        debug_outputs = torch.stack([o.expand(m, *shape) for o in outputs], dim=1) if outputs else None
         stored_cfg = cfg_scale if do_cfg else 1.0
         pos_rows = {k: v[0].detach().float().cpu() for k, v in pos.items()}
         neg_rows = {k: v[0].detach().float().cpu() for k, v in neg.items()} if neg is not None else None
@@ -297,6 +323,7 @@ class DiffusersEngine:
                     sde_type=req.sde_type,
                     noise_level=req.noise_level,
                     debug_model_outputs=None if debug_outputs is None else debug_outputs[b].clone(),
+                    sde_means=torch.stack(means[b]) if means[b] else None,
                 )
             samples.append(
                 owner.sample(
@@ -305,9 +332,24 @@ class DiffusersEngine:
                     conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, stored_cfg, scale_2),
                     image=images[b].clone(),
                     inference_time_s=elapsed / m,
+                    denoiser_calls=calls / m,
                 )
             )
         return samples
+
+
+def _first_rows(batch: dict[str, torch.Tensor] | None, rows: int) -> dict[str, torch.Tensor] | None:
+    """The first `rows` rows of a batch of condition tensors (a shared prefix runs one row)."""
+    if batch is None:
+        return None
+    return {k: v[:rows] for k, v in batch.items()}
+
+
+def _rows_from(base: torch.Tensor, other: torch.Tensor, rows: list[int], batch: int, latent_dims: int) -> torch.Tensor:
+    """`base` with the rows `rows` taken from `other`."""
+    mask = torch.zeros(batch, dtype=torch.bool)
+    mask[rows] = True
+    return torch.where(mask.view(-1, *([1] * latent_dims)), other, base)
 
 
 class _EngineActor(RecoverableEngine, DiffusersEngine):

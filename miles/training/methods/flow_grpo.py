@@ -3,7 +3,9 @@
 Each pair is one transition `x_t -> x_next` the engine sampled; the trainer's velocity at `x_t` goes through the
 engine's own SDE kernel (`--sde-step-backend-path`, `miles.rollout.sde_backends`) to the transition's log-prob,
 and `miles.algorithms.policy_loss` takes the clipped ratio against the engine's log-prob (or the recomputed one,
-`--diffusion-recompute-old-log-prob`), with an optional KL to the reference (`--diffusion-kl-beta`).
+`--diffusion-recompute-old-log-prob`), with an optional KL to the reference (`--diffusion-kl-beta`). Under
+`--diffusion-grpo-guard` the clipped log-ratio is RatioNorm's and each transition's term is weighted by `1/|dt|`
+(`miles.algorithms.grpo_guard`), against the behaviour means the engine recorded with the transitions.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import torch
 
+from miles.algorithms.grpo_guard import ratio_bias, ratio_norm_log_ratio, step_weight
 from miles.algorithms.policy_loss import policy_loss
 from miles.core.sample import Sample
 from miles.rollout.sde_backends import backend_step
@@ -25,7 +28,10 @@ class FlowGrpo(RolloutMethod):
         return expand_flow_grpo(window)
 
     def pair_problem(self, pair: Pair) -> str:
-        return transition_problem(pair)
+        problem = transition_problem(pair)
+        if not problem and self.args.diffusion_grpo_guard:
+            problem = guard_problem(pair)
+        return problem
 
     def micro(self, batch: list[Pair]) -> Loss:
         trainer, args = self.trainer, self.args
@@ -62,8 +68,16 @@ class FlowGrpo(RolloutMethod):
                 mean_ref = scored(step_of(trainer.velocity(x, ts, samples, cfg)).mean)
         v = trainer.velocity(x, ts, samples, cfg)
         res = step_of(v)
+        guard: dict[str, torch.Tensor] = {}
+        mean_old = res.mean.detach() if args.diffusion_recompute_old_log_prob else None
         if args.diffusion_recompute_old_log_prob:
             old = res.log_prob.detach()
+        if args.diffusion_grpo_guard:  # RatioNorm against the behaviour means, and 1/|dt| per transition
+            if mean_old is None:
+                mean_old = behaviour_means(batch).to(res.mean.device)
+            mask = step_extra.get("mask")
+            guard["log_ratio"] = ratio_norm_log_ratio(res.log_prob, old, res.mean, mean_old, res.std, mask)
+            guard["weight"] = step_weight(sig, sig_next, res.log_prob)
         loss, metrics = policy_loss(
             res.log_prob,
             old,
@@ -74,6 +88,30 @@ class FlowGrpo(RolloutMethod):
             mean_new=scored(res.mean),
             mean_ref=mean_ref,
             std_dev_t=res.std_dev_t,
+            **guard,
         )
+        if guard:
+            with torch.no_grad():  # the vanilla log-ratio's bias that RatioNorm removed (0 on-policy and exact)
+                metrics["ratio_bias"] = float(ratio_bias(res.mean, mean_old, res.std, step_extra.get("mask")).mean())
         metrics.update(model_output_diffs(v, batch))
         return loss, metrics
+
+
+def guard_problem(pair: Pair) -> str:
+    """Why `pair` has no behaviour mean for GRPO-Guard ('' when it has)."""
+    means = pair.sample.trajectory.sde_means  # type: ignore[union-attr]
+    if means is None or not 0 <= pair.slot < means.shape[0]:
+        return (
+            "--diffusion-grpo-guard needs the engine's step mean of each trained transition, and this sample has "
+            "none (a rollout made without --diffusion-grpo-guard)"
+        )
+    return ""
+
+
+def behaviour_means(batch: list[Pair]) -> torch.Tensor:
+    """The engine's recorded step means of a micro-batch's transitions, `[B, *latent]` fp32."""
+    for pair in batch:
+        problem = guard_problem(pair)
+        if problem:
+            raise ValueError(problem)
+    return torch.stack([p.sample.trajectory.sde_means[p.slot] for p in batch]).float()  # type: ignore[union-attr]
