@@ -24,12 +24,17 @@ class Method:
     on_rollouts: it trains on rollout samples and their train pairs (so the pair hooks apply to it).
     guided_forward: the trained forward runs the rollout's guided velocity (CFG pairs when the rollout used CFG).
     ref_mode: the automatic `--ref-mode` it wants (None: `lora_base` when `--diffusion-kl-beta` > 0, else `none`).
+    ref_mode_lora: the automatic `--ref-mode` under `--use-lora` where it differs from `ref_mode`.
     rules: the name of its rule function in `miles.config.rules.methods` (None: none of its own).
     own_flags: flags (dests) that only it reads: refused under any other method.
     critic: the loss type of a second trainer group the method trains against (DMD2's fake score), or None.
     frozen_teacher: its trainer also holds a frozen copy of its start point (without LoRA; the memory plan counts it).
     renoises_samples: it re-noises the rollout's clean latents at fresh noise levels (a family whose rollout steps
         part of its latent by ODE, like LTX-2's audio, cannot train it).
+    forward_rows: DiT rows per train pair in its trained forward (DPO's pair is a winner and a loser: 2); the memory
+        plan traces `--micro-batch-size` times this.
+    sft_rows: what its `train sft` rows hold: `image` (an image or video with its caption) or `preference` (a
+        caption with a chosen and a rejected image); the preflight and the SFT data reader read it.
     """
 
     name: str
@@ -40,11 +45,18 @@ class Method:
     on_rollouts: bool = False
     guided_forward: bool = False
     ref_mode: str | None = None
+    ref_mode_lora: str | None = None
     rules: str | None = None
     own_flags: tuple[str, ...] = ()
     critic: str | None = None
     frozen_teacher: bool = False
     renoises_samples: bool = False
+    forward_rows: int = 1
+    sft_rows: str = "image"
+
+    def auto_ref_mode(self, use_lora: bool) -> str | None:
+        """The `--ref-mode` it wants (None: the generic choice of `miles.config.jobs`)."""
+        return self.ref_mode_lora if use_lora and self.ref_mode_lora is not None else self.ref_mode
 
 
 _IMPL = "miles.training.methods."
@@ -89,6 +101,20 @@ METHODS: dict[str, Method] = {
             guided_forward=True,
             rules="check_custom_loss",
             own_flags=("custom_loss_function_path", "custom_prepare_train_batch_path"),
+        ),
+        Method(
+            "dpo",
+            "Diffusion-DPO: the best against the worst sample of each group (online) or preference rows (offline)",
+            jobs=("rl", "replay", "sft"),
+            impl=_IMPL + "dpo:Dpo",
+            on_rollouts=True,
+            ref_mode="frozen",
+            ref_mode_lora="lora_base",
+            rules="check_dpo",
+            own_flags=("diffusion_dpo_beta", "diffusion_dpo_num_timesteps", "chosen_key", "rejected_key"),
+            renoises_samples=True,
+            forward_rows=2,
+            sft_rows="preference",
         ),
         Method(
             "dmd2",

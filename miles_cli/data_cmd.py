@@ -62,3 +62,28 @@ def digits_video(
         paths = {f"digits-video:{k}": v for k, v in write_digits_video_data(out.expanduser()).items()}
     for spec, path in paths.items():
         typer.echo(f"{spec:<22} {path}")
+
+
+@app.command("digits-preference")
+def digits_preference(
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Directory to write into (default: $MILES_HOME/data/digits-preference)."),
+    ] = None,
+) -> None:
+    """Write a preference set for offline DPO (`train sft --loss-type dpo`): per digits example its prompt, its own
+    image as `chosen` and an image of another digit as `rejected` (train/test JSONL and the 64x64 PNGs)."""
+    if out is None:
+        from miles.builtin.datasets import resolve_dataset
+        from miles.builtin.names import builtin_dataset_names
+
+        names = [spec for spec in builtin_dataset_names() if spec.startswith("digits-preference:")]
+        paths = {spec: resolve_dataset(spec) for spec in names}
+    else:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out}: exists and is not a directory")
+        from miles.data.digit_preferences import write_digit_preference_data
+
+        paths = {f"digits-preference:{k}": v for k, v in write_digit_preference_data(out.expanduser()).items()}
+    for spec, path in paths.items():
+        typer.echo(f"{spec:<24} {path}")

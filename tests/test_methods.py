@@ -16,9 +16,10 @@ def test_the_flag_and_the_jobs_read_the_table() -> None:
     for name, job in JOBS.items():
         assert job.allowed_loss_types == loss_types_for(name)
         assert job.auto_loss_type == auto_loss_type(name)
-    assert JOBS["rl"].allowed_loss_types == ("policy_loss", "nft", "custom_loss")
-    assert JOBS["sft"].allowed_loss_types == ("sft_loss", "custom_loss")
-    assert ROLLOUT_LOSSES == rollout_loss_types() == ("policy_loss", "nft", "custom_loss")
+    assert JOBS["rl"].allowed_loss_types == ("policy_loss", "nft", "custom_loss", "dpo")
+    assert JOBS["sft"].allowed_loss_types == ("sft_loss", "custom_loss", "dpo")
+    assert JOBS["replay"].allowed_loss_types == ("policy_loss", "nft", "custom_loss", "dpo")
+    assert ROLLOUT_LOSSES == rollout_loss_types() == ("policy_loss", "nft", "custom_loss", "dpo")
 
 
 def test_each_method_resolves_as_its_entry_says() -> None:
@@ -28,6 +29,15 @@ def test_each_method_resolves_as_its_entry_says() -> None:
     assert nft.ref_mode == METHODS["nft"].ref_mode == "ema"
     grpo = resolve("rl", recipe="tiny-digits-grpo").args
     assert grpo.loss_type == "policy_loss" and grpo.ref_mode == "none"
+    # dpo: one entry, two automatic references (the LoRA base under --use-lora, else a frozen copy)
+    assert METHODS["dpo"].auto_ref_mode(use_lora=False) == "frozen"
+    assert METHODS["dpo"].auto_ref_mode(use_lora=True) == "lora_base"
+    assert resolve("rl", recipe="tiny-digits-dpo").args.ref_mode == "frozen"
+    assert resolve("rl", recipe="tiny-digits-dpo", cli={"use_lora": True}).args.ref_mode == "lora_base"
+    assert resolve("sft", recipe="tiny-digits-dpo-offline", cli={"use_lora": True}).args.ref_mode == "lora_base"
+    assert resolve("rl", recipe="tiny-digits-dpo", cli={"ref_mode": "lora_base", "use_lora": True}).args.ref_mode == (
+        "lora_base"
+    )
 
 
 def test_every_method_names_a_train_method_with_the_entry_points_its_jobs_call() -> None:
@@ -65,7 +75,23 @@ def test_a_methods_own_flags_are_refused_under_another_method() -> None:
     for dest, value, owner in (
         ("diffusion_recompute_old_log_prob", True, "policy_loss"),
         ("custom_loss_function_path", "my.loss", "custom_loss"),
+        ("diffusion_dpo_beta", 500.0, "dpo"),
+        ("diffusion_dpo_num_timesteps", 4, "dpo"),
     ):
         assert dest in METHODS[owner].own_flags
         with pytest.raises(ConfigError, match=rf"applies to --loss-type {owner} only, not nft"):
             resolve("rl", recipe="tiny-digits-grpo", cli={**base, dest: value})
+
+
+def test_dpos_data_flags_are_refused_under_another_method_of_train_sft() -> None:
+    import pytest
+
+    from miles.core.errors import ConfigError
+
+    assert METHODS["dpo"].sft_rows == "preference" and METHODS["sft_loss"].sft_rows == "image"
+    for dest in ("chosen_key", "rejected_key"):
+        assert dest in METHODS["dpo"].own_flags
+        with pytest.raises(ConfigError, match=r"applies to --loss-type dpo only, not sft_loss"):
+            resolve("sft", recipe="tiny-digits-sft", cli={dest: "better"})
+    args = resolve("sft", recipe="tiny-digits-dpo-offline", cli={"chosen_key": "a", "rejected_key": "b"}).args
+    assert (args.chosen_key, args.rejected_key) == ("a", "b")

@@ -29,6 +29,7 @@ __all__ = [
     "promote",
     "sample_sigmas",
     "sft_loss",
+    "sigma_grid",
 ]
 
 
@@ -79,6 +80,19 @@ def noisy_latents(x0: torch.Tensor, noise: torch.Tensor, sigma: Scalar) -> torch
 # --------------------------------------------------------------------------------------------------
 
 
+def sigma_grid(num_train_timesteps: int = 1000, shift: float | None = None) -> torch.Tensor:
+    """The training-side sigma grid, `[N]` float64 ascending: `shift_sigmas(k / N, shift)` for k = 1..N (shift None
+    or 1: no shift). Reversed, it is `FlowMatchEulerDiscreteScheduler(N, shift=shift).sigmas` (noise first)."""
+    if num_train_timesteps < 1:
+        raise ValueError(f"num_train_timesteps must be >= 1, got {num_train_timesteps}")
+    grid = torch.arange(1, num_train_timesteps + 1, dtype=torch.float64) / num_train_timesteps
+    if shift is not None:
+        if shift <= 0:
+            raise ValueError(f"--fsdp-flow-shift must be > 0, got {shift}")
+        grid = shift_sigmas(grid, float(shift))
+    return grid
+
+
 def sample_sigmas(
     batch: int,
     generator: torch.Generator | None = None,
@@ -98,14 +112,7 @@ def sample_sigmas(
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")
     if sigmas_grid is None:
-        if num_train_timesteps < 1:
-            raise ValueError(f"num_train_timesteps must be >= 1, got {num_train_timesteps}")
-        grid = torch.arange(1, num_train_timesteps + 1, dtype=torch.float64) / num_train_timesteps
-        if shift is not None:
-            if shift <= 0:
-                raise ValueError(f"--fsdp-flow-shift must be > 0, got {shift}")
-            grid = shift_sigmas(grid, float(shift))
-        grid = grid.to(torch.float32)
+        grid = sigma_grid(num_train_timesteps, shift).to(torch.float32)
     else:
         grid = torch.as_tensor(sigmas_grid).detach().to("cpu", torch.float32).reshape(-1)
         grid = grid[grid != 0]

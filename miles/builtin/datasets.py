@@ -13,6 +13,11 @@
     digits-video:sft       SFT video+caption JSONL ({"video": rel_webp, "input": ...}; 9 frames, 64x64)
     digits-video:sft-test  the same for the test split
 
+    digits-preference:train  preference rows of the train split for offline DPO ({"input": ..., "chosen": rel_png,
+                             "rejected": rel_png, "metadata": {"label": k, "rejected_label": j}}: the digit's own
+                             image against one of another digit); also a prompt JSONL
+    digits-preference:test   the same for the test split
+
 The names and file layout are `miles.builtin.names`'s (torch-free); this module writes them.
 """
 

@@ -38,7 +38,7 @@ SFT_TEACHERS: dict[str, int] = {
 }
 BUILTIN_MODELS = (*TINY_BUILDERS, *SFT_TEACHERS)
 
-# the built-in data sets: name -> its parts; every set has these files (the part -> its path in the set's folder)
+# the built-in data sets: name -> its parts; a part is this file of the set's folder (the part -> its path there)
 DATASET_FILES: dict[str, str] = {
     "train": "train.jsonl",
     "test": "test.jsonl",
@@ -46,11 +46,16 @@ DATASET_FILES: dict[str, str] = {
     "sft": "sft/train.jsonl",
     "sft-test": "sft/test.jsonl",
 }
-BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {"digits": tuple(DATASET_FILES), "digits-video": tuple(DATASET_FILES)}
+BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {
+    "digits": tuple(DATASET_FILES),
+    "digits-video": tuple(DATASET_FILES),
+    "digits-preference": ("train", "test"),  # preference rows (offline DPO), which are prompt lines too
+}
 # name -> (module, writer): the module has FORMAT_VERSION and MANIFEST; writer(out_dir) writes the whole set
 DATASET_WRITERS: dict[str, tuple[str, str]] = {
     "digits": ("miles.data.digits", "write_digits_data"),
     "digits-video": ("miles.data.digits_video", "write_digits_video_data"),
+    "digits-preference": ("miles.data.digit_preferences", "write_digit_preference_data"),
 }
 
 

@@ -65,7 +65,7 @@ class JobSpec:
 
         loss = res["loss_type"]
         if res["ref_mode"] is None and self.trains:
-            wanted = METHODS[loss].ref_mode if loss in METHODS else None
+            wanted = METHODS[loss].auto_ref_mode(bool(res["use_lora"])) if loss in METHODS else None
             if wanted is not None:
                 res.derive("ref_mode", wanted)
             elif res["diffusion_kl_beta"] > 0:

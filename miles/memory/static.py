@@ -14,6 +14,8 @@ What each trainer rank holds (`miles.training.trainer.Trainer`, `miles.training.
   teacher      DMD2's critic (`--loss-type dmd2_critic`) with full weights: a second, frozen, sharded copy of the
                denoiser (with a LoRA critic the teacher is its own base: nothing more); `--offload-train` does not
                move it, so it stays in every phase
+  ref/frozen   `--ref-mode frozen`: a frozen copy of the start weights (adapters included), sharded like the params,
+               with its buffers (`ref/frozen_buffers`); `--offload-train` moves it with the params
 Under `--fsdp-cpu-offload` params, grads, adam and ema are on the host. Between phases `--offload-train` moves
 optimizer state and gradients off after train, parameters (and the EMA) after the sync (`miles.runtime.phases`).
 
@@ -290,6 +292,9 @@ def trainer_slot(
             slot.add([TRAIN], "ema/swap_backup", gpu(trainable), where)
         if args.ema_rollout_policy == "ema" and SYNC in phases:
             slot.add([SYNC], "ema/swap_backup", gpu(trainable), where)
+    if args.ref_mode == "frozen":  # the trainer's frozen copy of its start weights, sharded like the model
+        slot.add(on, "ref/frozen", gpu(params), where)
+        slot.add(on, "ref/frozen_buffers", denoiser.sharded_bytes(shards, "buffers"))
     known = METHODS.get(str(args.loss_type))  # the method table (miles.methods)
     if known is not None and known.frozen_teacher and not lora:
         teacher = gpu(denoiser.sharded_bytes(shards, "base")) + denoiser.sharded_bytes(shards, "buffers")

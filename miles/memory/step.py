@@ -95,7 +95,7 @@ def guided(family: Any, args: Any) -> bool:
 
 def train_spec(role_args: Any, family: Any, configs: Mapping[str, Any], components: tuple[str, ...]) -> StepSpec:
     """The trainer's micro-batch: forward (guided when the method re-scores the rollout's guided velocity and the
-    family trains with CFG), loss, backward."""
+    family trains with CFG; the method's `forward_rows` rows per pair), loss, backward."""
     from miles.memory.static import lora_targets
 
     latent, conditions = _shapes(family, configs, role_args, role_args.hf_checkpoint)
@@ -103,13 +103,14 @@ def train_spec(role_args: Any, family: Any, configs: Mapping[str, Any], componen
 
     known = METHODS.get(str(role_args.loss_type))
     cfg = (known.guided_forward if known is not None else True) and family.supports_cfg_training
+    rows = known.forward_rows if known is not None else 1  # e.g. DPO's winner and loser per pair
     lora = None
     if role_args.use_lora:
         lora = (int(role_args.lora_rank), int(role_args.lora_alpha), tuple(lora_targets(role_args, family)))
     return StepSpec(
         family=family.name,
         components=tuple(components),
-        batch=micro_batch_rows(role_args),
+        batch=micro_batch_rows(role_args) * rows,
         latent=latent,
         conditions=conditions,
         forward_dtype=dtype_name(role_args.diffusion_forward_dtype),

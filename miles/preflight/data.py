@@ -4,7 +4,9 @@ uses (`miles.rollout.prompt_file`), so a problem is the line the runtime would h
 A prompt line must parse, carry a non-empty string at `--input-key` and an object (or nothing) at
 `--metadata-key`, and hold what its reward needs (`miles.rollout.rm_hub.dispatch.check_reward_inputs`: a digit
 label, a quoted OCR target). An SFT row names its caption (a non-empty string) and an image (or video) file that
-exists; an image must decode (PIL's `verify`, a read of the file without decoding every pixel). Built-in data sets
+exists; an image must decode (PIL's `verify`, a read of the file without decoding every pixel). Under a method whose
+`train sft` rows are preferences (offline DPO, the method table's `sft_rows`), a row names its caption and two
+different image files, each existing and decoding (`miles.training.preference_rows`). Built-in data sets
 pass (they are generated on first use). A URL is refused as the user wrote it (only local files are read).
 
 "; fix or remove that line" follows a problem of one line of a file (`file:LINE: ...`), never one of the file as
@@ -110,6 +112,31 @@ def scan_sft_file(path: Path, input_key: str) -> None:
         raise ConfigError(f"{path}: no SFT rows")
 
 
+def scan_preference_file(path: Path, args: Any) -> None:
+    """Every preference row (offline DPO) names its caption and two different image files that exist and decode."""
+    from miles.training.preference_rows import check_preference_row, preference_keys
+
+    count = 0
+    for where, _, row in iter_jsonl_objects(path, "preference data"):
+        check_preference_row(where, row, args)
+        for key, flag in preference_keys(args)[1:]:
+            file = path.parent / row[key]
+            if not file.is_file():
+                raise ConfigError(f"{where}: {key!r} ({flag}) image not found: {clip(str(file), 160)}")
+            _check_image(where, file)
+        count += 1
+    if not count:
+        raise ConfigError(f"{path}: no preference rows")
+
+
+def _sft_rows(args: Any) -> str:
+    """What the method's `train sft` rows hold (the method table's `sft_rows`)."""
+    from miles.methods import METHODS
+
+    known = METHODS.get(str(args.loss_type))
+    return known.sft_rows if known is not None else "image"
+
+
 def _check_image(where: str, file: Path) -> None:
     """ConfigError naming `where` unless PIL can read `file` as an image (`verify`: headers and checksums)."""
     from PIL import Image, UnidentifiedImageError
@@ -143,6 +170,9 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
         return [f"--prompt-data {url}"]
     path = Path(str(spec)).expanduser()
     try:
+        if job == "sft" and _sft_rows(args) == "preference":
+            scan_preference_file(path, args)
+            return []
         if job == "sft":
             scan_sft_file(path, args.input_key)
             return []

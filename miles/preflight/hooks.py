@@ -79,6 +79,7 @@ HOOKS: tuple[Hook, ...] = (
         base="miles.rollout.sde_backends:SdeStepBackend",
     ),
 )
+GOLD_HOOK = Hook("gold_rm_type", "fn(args, samples)", 2)  # when it is a dotted path, not a built-in type
 # checked by their own loaders (not plain hooks)
 SPECIAL = ("train_pipeline_config_path",)
 
@@ -101,6 +102,12 @@ def check_hooks(resolved: ResolvedJob) -> list[str]:
             continue
         try:
             check_hook(hook, str(path).strip(), _flag(hook.dest))
+        except ConfigError as exc:
+            problems.append(str(exc))
+    gold = args.gold_rm_type
+    if gold and "." in str(gold):  # --gold-rm-type names a reward function (else a built-in type)
+        try:
+            check_hook(GOLD_HOOK, str(gold).strip(), _flag("gold_rm_type"))
         except ConfigError as exc:
             problems.append(str(exc))
     path = args.train_pipeline_config_path

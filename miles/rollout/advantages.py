@@ -7,6 +7,18 @@ GRPO, as the reference `_post_process_rewards` computes it (samples in group ord
     if std normalization (on unless --disable-grpo-std-normalization, and always off when n == 1):
         A /= (R.std() if --globalize-reward-std else R.std(dim=-1)) + 1e-4      # torch unbiased std
 
+GARDO's diversity-aware advantage (`--advantage-estimator gardo`, algorithms_next.md E.2 item 1), per prompt group::
+
+    d_ij = 1 - clip(f_i . f_j, -1, 1)                   f = the L2-normalised features of each output
+    delta_i = min_{j != i} d_ij                          the distance to the nearest group mate
+    m_i = 1 if r_i < mean(r) else delta_i / mean_j(delta_j)
+    A_i = (r_i - mean(r)) * m_i                          no division by a std
+
+so a good sample unlike its group mates is pushed harder and a near-duplicate of another good one less. GARDO takes
+its features from DINOv3; here they are the outputs average-pooled to at most 64 x 64 (`miles.rollout.diversity`),
+since no feature network's weights may be downloaded (a user's features: `--custom-reward-post-process-path`). The
+group std flags do not apply to it (refused with it).
+
 Samples flagged `remove_sample` still count: the filter masks the loss, not the statistics.
 `--custom-reward-post-process-path` replaces all of this with `post_process(args, samples) -> (raw, normalized)`.
 """
@@ -57,6 +69,29 @@ def grpo_advantages(
     return advantages.reshape(-1)
 
 
+def gardo_advantages(rewards: torch.Tensor, features: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
+    """GARDO's diversity-aware advantages of flat `[N]` rewards with `[N, D]` features, groups of `n` contiguous."""
+    n = int(n_samples_per_prompt)
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    if rewards.dim() != 1 or rewards.numel() % n != 0 or features.shape[0] != rewards.numel():
+        raise ValueError(
+            f"{rewards.numel()} rewards and {features.shape[0]} feature rows must split into groups of {n}"
+        )
+    f = torch.nn.functional.normalize(features.to(torch.float64).reshape(rewards.numel(), -1), dim=1)
+    out = torch.zeros_like(rewards)
+    for start in range(0, rewards.numel(), n):
+        r, g = rewards[start : start + n], f[start : start + n]
+        centred = r - r.mean()
+        if n == 1:
+            continue
+        dist = 1 - (g @ g.T).clamp(-1, 1)
+        dist.fill_diagonal_(float("inf"))
+        delta = dist.min(dim=1).values
+        scale = delta / delta.mean() if float(delta.mean()) > 0 else torch.ones_like(delta)
+        out[start : start + n] = centred * torch.where(r < r.mean(), torch.ones_like(scale), scale)
+    return out
+
+
 def per_prompt_advantages(
     prompts: Sequence[str], rewards: Sequence[float], *, global_std: bool = False
 ) -> torch.Tensor:
@@ -105,13 +140,7 @@ def post_process_rewards(args: Any, samples: list[Sample]) -> tuple[list[float],
         _check_groups(samples, n)
         reward_key = args.reward_key
         raw = [sample.scalar_reward(reward_key) for sample in samples]
-        normalized = grpo_advantages(
-            torch.tensor(raw, dtype=torch.float64),
-            n,
-            globalize_mean=bool(args.globalize_reward_mean),
-            globalize_std=bool(args.globalize_reward_std),
-            std_normalization=not args.disable_grpo_std_normalization,
-        ).tolist()
+        normalized = ESTIMATORS[args.advantage_estimator](args, samples, raw, n)
     for sample, advantage in zip(samples, normalized, strict=True):
         sample.advantage = float(advantage)
     return raw, normalized
@@ -130,3 +159,26 @@ def _check_groups(samples: Sequence[Sample], n: int) -> None:
                 f"samples {start}..{start + n - 1} should form one prompt group but have group_index "
                 f"{sorted(group)}; keep each group's samples contiguous"
             )
+
+
+def _grpo(args: Any, samples: list[Sample], raw: list[float], n: int) -> list[float]:
+    return grpo_advantages(
+        torch.tensor(raw, dtype=torch.float64),
+        n,
+        globalize_mean=bool(args.globalize_reward_mean),
+        globalize_std=bool(args.globalize_reward_std),
+        std_normalization=not args.disable_grpo_std_normalization,
+    ).tolist()
+
+
+def _gardo(args: Any, samples: list[Sample], raw: list[float], n: int) -> list[float]:
+    from miles.rollout.diversity import pooled
+
+    if any(s.image is None for s in samples):
+        raise ValueError("--advantage-estimator gardo compares the samples' outputs, and a sample has no image")
+    features = torch.stack([pooled(s.image) for s in samples])
+    return gardo_advantages(torch.tensor(raw, dtype=torch.float64), features, n).tolist()
+
+
+# --advantage-estimator: the estimators, keyed by the value users type
+ESTIMATORS = {"grpo": _grpo, "gardo": _gardo}

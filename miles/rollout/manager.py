@@ -328,6 +328,7 @@ class RolloutManager:
     def evaluate(self, rollout_id: int = 0) -> tuple[dict[str, float], dict[str, list[Sample]]]:
         """Generate and score every eval dataset (ODE, no trajectories): metrics and the samples by name."""
         from miles.rollout.evaluation import eval_datasets, eval_groups, eval_metrics
+        from miles.rollout.gold import gold_metrics
         from miles.rollout.rm_hub.dispatch import score_samples
 
         metrics: dict[str, float] = {}
@@ -339,6 +340,7 @@ class RolloutManager:
                 if any(s.reward is None for s in samples):
                     asyncio.run(score_samples(self.args, [s for s in samples if s.reward is None]))
                 metrics.update(eval_metrics(self.args, name, samples))
+                metrics.update(gold_metrics(self.args, name, samples))
             return {**metrics, **extra}, by_name
         for dataset in eval_datasets(self.args):
             groups = eval_groups(self.args, dataset)
@@ -350,6 +352,7 @@ class RolloutManager:
             samples = [_merge(s, done[s.index]) for group in groups for s in group]
             asyncio.run(score_samples(self.args, samples))
             metrics.update(eval_metrics(self.args, dataset.name, samples))
+            metrics.update(gold_metrics(self.args, dataset.name, samples))  # --gold-rm-type
             by_name[dataset.name] = samples
         return metrics, by_name
 
@@ -379,6 +382,7 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> RolloutBatch:
         from miles.rollout.advantages import post_process_rewards
+        from miles.rollout.diversity import intra_group_diversity
         from miles.rollout.filter_hub import apply_dynamic_filter, apply_sample_filter
         from miles.rollout.rm_hub.dispatch import score_groups, score_samples
 
@@ -425,6 +429,9 @@ class RolloutManager:
             "perf/rollout_time": time.perf_counter() - start,
             **hook_metrics,
         }
+        diversity = intra_group_diversity(groups)
+        if diversity is not None:
+            metrics["rollout/diversity"] = diversity
         calls = sum(s.denoiser_calls for s in flat)
         if calls:  # what the engine computed for this rollout (a shared prefix counted once)
             metrics["rollout/denoiser_calls"] = calls

@@ -51,29 +51,48 @@ def run(resolved: ResolvedJob) -> int:
         total_steps = max(1, num_rollout * int(args.num_steps_per_rollout or 1))
         group = TrainerGroup(args, "actor", total_steps, job.placement)
         job.record_placement([group])
-        start = resume(args, manager, group)
+        restored: dict[str, Any] = {}
+        start = resume(args, manager, group, restored=restored)
         dash = open_dashboard(args, resolved.spec.name, resolved.recipe)
         phases = Phases(args, manager, [group], dash=dash)
         phases.start()
+        guard = reward_guard_of(args, out, restored)  # --gold-rm-type / --reward-guard
         logger = MetricsLogger(args, out, resolved.spec.name, echo=lambda line: None)
+        end, ended_at_eval = num_rollout, False
         with progress_bar("train rl", num_rollout - start) as advance:
             for rollout_id in range(start, num_rollout):
                 metrics: dict[str, float] = {}
                 if eval_due(args, rollout_id, start):
                     metrics.update(run_eval(args, manager, out, rollout_id, dash))
+                    if guard is not None:
+                        metrics.update(guard.after_eval(rollout_id, metrics, group, phases.trainers_awake))
+                        if guard.ended:  # stop / rollback before this rollout trains: these weights were evaluated
+                            end, ended_at_eval = rollout_id, True
+                            logger.log(rollout_id, metrics)
+                            break
                 step_metrics, batch = run_iteration(args, manager, group, rollout_id, phases, dash)
                 metrics.update(step_metrics)
+                if guard is not None:
+                    metrics.update(guard.after_rollout(metrics))
                 save_debug_data(args, rollout_id, batch.samples, step_metrics)
                 if log_rollout(args, rollout_id, batch.samples, batch.metrics):  # the hook replaced rollout logging
                     advance(logger.log(rollout_id, {k: v for k, v in metrics.items() if k not in batch.metrics}))
                 else:
                     advance(logger.log(rollout_id, metrics))
                     logger.log_images(rollout_id, *_images(args, batch.samples))
-                if save_due(args, rollout_id, num_rollout):
+                if save_due(args, rollout_id, num_rollout) or (guard is not None and guard.ended and args.save):
                     with dash.span("save", rollout_id=rollout_id), phases.trainers_awake():
-                        save(args, manager, group, rollout_id)
-        if has_eval_data(args) and args.eval_interval and start < num_rollout:
-            logger.log(num_rollout, run_eval(args, manager, out, num_rollout, dash))
+                        save(args, manager, group, rollout_id, guard)
+                if guard is not None and guard.ended:  # stop / rollback after this rollout trained
+                    end = rollout_id + 1
+                    break
+        if has_eval_data(args) and args.eval_interval and start < num_rollout and not ended_at_eval:
+            final = run_eval(args, manager, out, end, dash)
+            if guard is not None:
+                final.update(guard.after_eval(end, final, group, phases.trainers_awake))
+            logger.log(end, final)
+        if guard is not None:  # under rollback the export is the best gold reward's weights
+            guard.restore_best(group, lambda: sync_weights(manager, group, end + 1), phases.trainers_awake)
         with dash.span("export"), phases.trainers_awake():
             export_final(args, group)
         logger.close()
@@ -171,23 +190,41 @@ def save_due(args: Any, rollout_id: int, num_rollout: int) -> bool:
     return last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
 
 
-def save(args: Any, manager: Any, group: Any, rollout_id: int) -> None:
+def save(args: Any, manager: Any, group: Any, rollout_id: int, guard: Any = None) -> None:
     import ray
 
     state = ray.get(manager.data_source_state.remote()) if manager is not None else None
-    extra = {"rollout_id": rollout_id, "data_source": state}
+    extra: dict[str, Any] = {"rollout_id": rollout_id, "data_source": state}
+    if guard is not None:
+        extra["reward_guard"] = guard.guard.state_dict()
     group.call("save_checkpoint", args.save, rollout_id, extra)
 
 
-def resume(args: Any, manager: Any, group: Any, ckpt_step: int | None = None) -> int:
+def reward_guard_of(args: Any, out: Path, restored: dict[str, Any]) -> Any:
+    """The job's `GuardRunner` (None without --gold-rm-type and --reward-guard), its state resumed from `--load`."""
+    from miles.runtime.reward_guard import GuardRunner, RewardGuard
+
+    guard = RewardGuard.from_args(args)
+    if guard is None:
+        return None
+    guard.load_state_dict(restored.get("reward_guard"))
+    return GuardRunner(guard, out)
+
+
+def resume(
+    args: Any, manager: Any, group: Any, ckpt_step: int | None = None, restored: dict[str, Any] | None = None
+) -> int:
     """Restore `--load` (trainer state, data source) and sync the engines; the first rollout id to run.
-    `ckpt_step`: the step to load (default --ckpt-step, else the newest complete checkpoint)."""
+    `ckpt_step`: the step to load (default --ckpt-step, else the newest complete checkpoint); `restored`, when
+    given, receives the checkpoint's `extra` (e.g. the reward guard's state)."""
     import ray
 
     start = 0
     if args.load:
         step = args.ckpt_step if ckpt_step is None else ckpt_step
         extra = group.call("load_checkpoint", args.load, step)[0]
+        if restored is not None:
+            restored.update(extra)
         start = int(extra["rollout_id"]) + 1
         if manager is not None:  # no engines (training on saved rollouts): nothing to restore or sync
             if extra.get("data_source"):

@@ -1,4 +1,5 @@
-"""`miles train sft`: flow-matching fine-tuning on an image + caption set; train-only, no engines.
+"""`miles train sft`: flow-matching fine-tuning on an image + caption set (or offline DPO on preference rows, as
+the method table's `sft_rows` says: `encode_train_rows`); train-only, no engines.
 
 Each iteration (`--num-rollout` of them) draws `global_batch_size` rows (shuffled per epoch with
 `--seed`) and makes one optimizer step per `num_steps_per_rollout`. At the end the trained pipeline
@@ -69,16 +70,30 @@ class RowSampler:
         self.order = self._order()
 
 
+def encode_train_rows(args: Any) -> Any:
+    """The rows the method trains on, as the method table's `sft_rows` says: image (or video) + caption rows
+    (`miles.training.sft_data.SFTDataset`) or preference rows (`miles.training.preference_data.PreferenceDataset`).
+    Both give `len()` and `batch(rows, generator) -> (x0, samples)`."""
+    from miles.methods import method
+
+    if method(args.loss_type).sft_rows == "preference":
+        from miles.training.preference_data import encode_preference_dataset
+
+        return encode_preference_dataset(args)
+    from miles.training.sft_data import encode_sft_dataset
+
+    return encode_sft_dataset(args)
+
+
 def run(resolved: ResolvedJob) -> int:
     from miles.runtime.trainer_group import TrainerGroup
-    from miles.training.sft_data import encode_sft_dataset
 
     args = resolved.trainer_args["actor"]
     with ray_job(resolved, args, manager_class=None) as job:
         dash = open_dashboard(args, resolved.spec.name, resolved.recipe)
         start = time.perf_counter()
         with dash.span("encode"):
-            data = encode_sft_dataset(args)
+            data = encode_train_rows(args)  # image + caption rows, or preference rows (offline DPO)
         print(f"miles: encoded {len(data)} SFT rows in {time.perf_counter() - start:.1f}s")
         steps_per_iter = int(args.num_steps_per_rollout or 1)
         gbs = int(args.global_batch_size)

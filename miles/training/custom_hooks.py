@@ -17,7 +17,7 @@ and `Sample` is `miles.core.sample.Sample`.
     one (its `pairs` in `miles.training.methods`: every recorded SDE transition for Flow-GRPO, the
     trained sigmas for DiffusionNFT). The method checks every pair a hook returns (its `pair_problem`):
     a Flow-GRPO pair must name a recorded transition (`sample.trajectory.sde_step_indices[slot] == step`),
-    a DiffusionNFT pair needs its `sigma`.
+    a DiffusionNFT pair needs its `sigma`, a DPO pair its `sigma` and its `partner` (the loser; `sample` wins).
 
 The hooks of `--loss-type custom_loss` itself (`--custom-prepare-train-batch-path`,
 `--custom-loss-function-path`) belong to its method: `miles.training.methods.custom`.

@@ -122,6 +122,16 @@ def adapters_off(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             layer._disable_adapters = False
 
 
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """`--ref-mode frozen`: a copy of the (not yet sharded) trained module as it starts, LoRA adapters included, in
+    eval mode with no parameter requiring grad (the trainer shards it like the model and never updates it)."""
+    import copy
+
+    frozen = copy.deepcopy(model).eval()
+    frozen.requires_grad_(False)
+    return frozen
+
+
 def apply_lora(model: torch.nn.Module, args: Any, family: TrainPipelineConfig) -> torch.nn.Module:
     """Attach one peft LoRA adapter ("default") and freeze everything else."""
     from peft import LoraConfig, inject_adapter_in_model

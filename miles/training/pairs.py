@@ -2,7 +2,8 @@
 
 A Flow-GRPO pair is one recorded SDE transition `(x_t, x_next, t, sigma, sigma_next, log_prob_old,
 advantage, conditions)`; an NFT pair is `(x0, sigma, advantage, conditions)` at a trained sigma; an
-SFT pair is `(x0, conditions)`. Pairs are listed sample-major. The samples of one rollout are cut into
+SFT pair is `(x0, conditions)`; a DPO pair is a winner and a loser sample (`partner`) at one sigma.
+Pairs are listed sample-major. The samples of one rollout are cut into
 `num_steps_per_rollout` windows of `global_batch_size` samples (one optimizer step each); each window's
 pairs are split over the dp ranks (`contiguous` or `stride`), then into micro-batches of
 `micro_batch_size` pairs (flat), or 2D tiles of `micro_batch_size_sample` samples x
@@ -22,10 +23,12 @@ from miles.core.sample import Sample
 
 @dataclass
 class Pair:
-    sample: Sample
-    step: int  # the denoising step (Flow-GRPO) or the trained sigma's position (NFT)
-    slot: int  # index into the sample's recorded log-probs (Flow-GRPO); -1 otherwise
-    sigma: float | None = None  # NFT: the trained sigma
+    sample: Sample  # DPO: the winner
+    step: int  # the denoising step (Flow-GRPO), the trained sigma's position (NFT) or the draw (DPO)
+    slot: int  # index into the sample's recorded log-probs (Flow-GRPO), the dataset row (SFT, offline DPO); else -1
+    sigma: float | None = None  # NFT, DPO: the trained sigma
+    partner: Sample | None = None  # DPO: the loser, noised with the winner's noise and sigma
+    weight: float = 1.0  # DPO: the pair's weight in its window's mean (0: padding that evens the dp ranks' shares)
 
 
 def expand_flow_grpo(samples: Sequence[Sample]) -> list[Pair]:

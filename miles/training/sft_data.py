@@ -94,41 +94,59 @@ def _load_pixels(root: Path, row: dict[str, Any], size: tuple[int, int], stride:
     return torch.from_numpy(_load_image((root / row["image"]).resolve(), size)).permute(2, 0, 1)
 
 
-@torch.no_grad()
-def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
+@dataclass
+class Encoder:
+    """What encodes `train sft` rows: the family and its pipeline without the transformer."""
+
+    family: Any
+    checkpoint: Path
+    pipe: Any
+    size: tuple[int, int]  # (--diffusion-height, --diffusion-width)
+
+
+def data_path(args: Any) -> Path:
+    """The `--prompt-data` file (a built-in set is made on first use)."""
+    from miles.core.inputs import input_path
+
+    return Path(input_path(args, args.prompt_data))
+
+
+def open_encoder(args: Any) -> Encoder:
+    """The pipeline (`--sft-encoder-checkpoint`, default `--hf-checkpoint`) that encodes the rows' images and
+    captions."""
     from miles.core.inputs import input_path
     from miles.models.loading import quiet_loading
-    from miles.models.tiny.metadata import max_sequence_length
     from miles.training.model import family_of
 
-    spec = args.prompt_data
-    path = input_path(args, spec)
-    rows = read_rows(path, args.input_key)
     family = family_of(args)
     checkpoint = input_path(args, args.sft_encoder_checkpoint or args.hf_checkpoint)
     family.bind_checkpoint(checkpoint)  # what the latent layout reads from it (e.g. LTX-2's audio planes)
     with quiet_loading():
         pipe = family.load_pipeline_class().from_pretrained(checkpoint, transformer=None, dtype=torch.float32)
-    size = (int(args.diffusion_height), int(args.diffusion_width))
-    frames = int(args.diffusion_output_num_frames)
-    stride = int(args.sft_frame_stride or 1)
-    latents = []
-    for i in range(0, len(rows), batch_size):
-        cut = frames if frames > 1 else None
-        batch = [_load_pixels(path.parent, r, size, stride, cut) for r in rows[i : i + batch_size]]
-        shapes = {tuple(b.shape) for b in batch}
-        if len(shapes) != 1:
-            raise ConfigError(
-                f"{path}: SFT rows {i}..{i + len(batch) - 1} decode to different shapes {sorted(shapes)}; videos "
-                "need equal frame counts (set --diffusion-output-num-frames to cut them)"
-            )
-        latents.append(family.encode_images(pipe, torch.stack(batch) * 2 - 1))
-    max_len = max_sequence_length(checkpoint, default=family.max_sequence_length)
-    captions = [str(r[args.input_key]) for r in rows]
+    return Encoder(family, checkpoint, pipe, (int(args.diffusion_height), int(args.diffusion_width)))
+
+
+def load_image(path: Path, size: tuple[int, int]) -> torch.Tensor:
+    """An image file `[3, H, W]` in [0, 1], center-cropped and resized to `size` (ConfigError if it is missing or
+    does not decode)."""
+    return torch.from_numpy(_load_image(path, size)).permute(2, 0, 1)
+
+
+def encode_pixels(encoder: Encoder, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalised latents of `[B, 3, ...]` pixels in [0, 1]."""
+    return encoder.family.encode_images(encoder.pipe, pixels * 2 - 1)
+
+
+def caption_conditions(args: Any, encoder: Encoder, captions: list[str]) -> dict[str, Conditions]:
+    """Each distinct caption's conditions (positive; negative = the negative prompt, where the family has CFG)."""
+    from miles.models.tiny.metadata import max_sequence_length
+
+    family = encoder.family
+    max_len = max_sequence_length(encoder.checkpoint, default=family.max_sequence_length)
     cache: dict[str, Conditions] = {}
     for caption in dict.fromkeys(captions):
         pos, neg = family.encode_prompts(
-            pipe,
+            encoder.pipe,
             [caption],
             args.diffusion_negative_prompt,
             family.supports_cfg_training,  # an unguided family (LTX-2) has no negative conditions to drop to
@@ -141,6 +159,30 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
             {k: v[0].float() for k, v in neg.items()} if neg is not None else None,
             1.0,
         )
+    return cache
+
+
+@torch.no_grad()
+def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
+    path = data_path(args)
+    rows = read_rows(path, args.input_key)
+    encoder = open_encoder(args)
+    size = encoder.size
+    frames = int(args.diffusion_output_num_frames)
+    stride = int(args.sft_frame_stride or 1)
+    latents = []
+    for i in range(0, len(rows), batch_size):
+        cut = frames if frames > 1 else None
+        batch = [_load_pixels(path.parent, r, size, stride, cut) for r in rows[i : i + batch_size]]
+        shapes = {tuple(b.shape) for b in batch}
+        if len(shapes) != 1:
+            raise ConfigError(
+                f"{path}: SFT rows {i}..{i + len(batch) - 1} decode to different shapes {sorted(shapes)}; videos "
+                "need equal frame counts (set --diffusion-output-num-frames to cut them)"
+            )
+        latents.append(encode_pixels(encoder, torch.stack(batch)))
+    captions = [str(r[args.input_key]) for r in rows]
+    cache = caption_conditions(args, encoder, captions)
     return SFTDataset(
         latents=torch.cat(latents).float(),
         conditions=[cache[c] for c in captions],

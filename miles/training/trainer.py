@@ -25,6 +25,7 @@ from miles.training.model import (
     adapters_off,
     apply_lora,
     family_of,
+    frozen_copy,
     full_state_dict,
     load_transformer,
     merged_base_state_dict,
@@ -70,8 +71,14 @@ class Trainer:
         model = load_transformer(args, self.family)
         if args.use_lora:
             model = apply_lora(model, args, self.family)
+        frozen = frozen_copy(model) if args.ref_mode == "frozen" else None
         parallelize_attention(model, args, self.family, self.layout.sp_group)
         self.model = shard(model, args, self.layout.mesh, self.family.fsdp_block_lists)
+        self.frozen_reference: torch.nn.Module | None = None  # --ref-mode frozen: the start weights, no grad
+        if frozen is not None:
+            parallelize_attention(frozen, args, self.family, self.layout.sp_group)
+            self.frozen_reference = shard(frozen, args, self.layout.mesh, self.family.fsdp_block_lists)
+        self._forward_model: torch.nn.Module | None = None  # the module `dit_velocity` runs when not the model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, args)
         self.scheduler = build_lr_scheduler(self.optimizer, args, total_steps)
@@ -118,17 +125,26 @@ class Trainer:
     ) -> torch.Tensor:
         """`velocity` on batched condition tensors (`neg` is needed when `cfg_scale > 1`): the family's
         guided forward, the same computation the engine ran (`cfg_scale_2`: a second expert's scale)."""
-        return self.family.guided_velocity(
-            self.model, x.to(self.forward_dtype), timesteps, pos, neg, cfg_scale, cfg_scale_2
-        )
+        model = self.model if self._forward_model is None else self._forward_model
+        x = x.to(self.forward_dtype)
+        return self.family.guided_velocity(model, x, timesteps, pos, neg, cfg_scale, cfg_scale_2)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """Run the reference model: the LoRA base (adapter off) or the EMA weights."""
+        """Run the reference model: the LoRA base (adapter off), the frozen copy of the start weights or the EMA
+        weights."""
         mode = self.args.ref_mode
         if mode == "lora_base":
             with adapters_off(self.model):
                 yield
+        elif mode == "frozen":
+            if self.frozen_reference is None:
+                raise RuntimeError("--ref-mode frozen: this trainer was built without its frozen copy")
+            self._forward_model = self.frozen_reference
+            try:
+                yield
+            finally:
+                self._forward_model = None
         elif mode == "ema":
             if self.ema is None:
                 raise RuntimeError("--ref-mode ema needs --use-ema")
@@ -293,8 +309,8 @@ class Trainer:
 
     # ---- offload between phases (--offload-train) -----------------------------------------------
     def offload(self, parts: Sequence[str] = ("optimizer", "grads", "params")) -> dict[str, float]:
-        """Move `parts` (optimizer state, gradients, parameters with the EMA shadow) off the device until
-        `onload()` (`miles.utils.offload`: the same storages come back bit for bit)."""
+        """Move `parts` (optimizer state, gradients, parameters with the EMA shadow and the frozen reference) off the
+        device until `onload()` (`miles.utils.offload`: the same storages come back bit for bit)."""
         from miles.utils.offload import Offloader, module_tensors, optimizer_tensors
 
         if self._offloader is None:
@@ -307,6 +323,8 @@ class Trainer:
             tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         if "params" in parts:
             tensors += module_tensors([self.model])
+            if self.frozen_reference is not None:
+                tensors += module_tensors([self.frozen_reference])
             if self.ema is not None:
                 tensors += list(self.ema.shadow.values())
         return self._offloader.offload(tensors).as_metrics()

@@ -275,6 +275,18 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--diffusion-shared-prefix": (BOOL, False),
     "--diffusion-ode-solver": (ENUM, "euler"),
     "--diffusion-post-sde-steps-ratio": (FLOAT, None),
+    # Diffusion-DPO (--loss-type dpo): online and offline
+    "--diffusion-dpo-beta": (FLOAT, 100.0),
+    "--diffusion-dpo-num-timesteps": (INT, 1),
+    "--chosen-key": (STR, "chosen"),
+    "--rejected-key": (STR, "rejected"),
+    # issue 32: the gold reward and the reward-hacking guard
+    "--gold-rm-type": (STR, None),
+    "--gold-reward-key": (STR, None),
+    "--reward-guard": (ENUM, "off"),
+    "--reward-guard-patience": (INT, 2),
+    "--reward-guard-tolerance": (FLOAT, 0.0),
+    "--reward-guard-min-diversity": (FLOAT, None),
 }
 
 EXPECTED_GROUPS = (
@@ -370,10 +382,10 @@ def test_enum_choices() -> None:
         assert flag is not None
         return flag.choices
 
-    assert choices("--loss-type") == ("policy_loss", "nft", "sft_loss", "custom_loss", "dmd2", "dmd2_critic")
+    assert choices("--loss-type") == ("policy_loss", "nft", "sft_loss", "custom_loss", "dpo", "dmd2", "dmd2_critic")
     assert choices("--lr-decay-style") == ("constant", "linear", "cosine", "inverse-square-root", "WSD")
     assert choices("--diffusion-sde-type") == ("sde", "cps", "ode")
-    assert choices("--ref-mode") == ("none", "lora_base", "ema")
+    assert choices("--ref-mode") == ("none", "lora_base", "ema", "frozen")
     assert choices("--wandb-mode") == ("online", "offline", "disabled")
     assert set(choices("--rm-type") or ()) == {
         "digit",

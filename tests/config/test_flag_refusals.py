@@ -17,7 +17,8 @@ from miles.core.errors import ConfigError
     [("train_backend", "megatron", "fsdp"), ("optimizer", "sgd", "adam"), ("advantage_estimator", "ppo", "grpo")],
 )
 def test_single_value_enums_refuse_any_other_value(dest: str, value: str, only: str) -> None:
-    """These flags have one value (the one miles implements); another one is refused, not ignored."""
+    """These flags take only the values miles implements (one each, two for the advantage estimator); another one is
+    refused, not ignored."""
     assert getattr(run(**{dest: only}).args, dest) == only
     assert_names(rejected(**{dest: value}), f"--{dest.replace('_', '-')}", repr(value), only)
 

@@ -117,3 +117,44 @@ def test_sglang_engines_keep_no_counted_base_copies() -> None:
     memory = static_memory(resolve(None, recipe="sd3-ocr-grpo", cli={"rollout_backend": "sglang"}))
     assert "lora_merger/base_copies" not in _on(memory, "engine 0", "rollout")
     assert any("sglang" in note for note in memory.notes)
+
+
+def test_the_frozen_reference_is_a_second_copy_of_the_params() -> None:
+    """--ref-mode frozen (dpo's automatic reference without LoRA) holds a frozen copy of the start weights, sharded
+    like the params and moved with them by --offload-train; under LoRA dpo's reference is the model's own base."""
+    full = {"loss_type": "dpo", "use_lora": False, "lora_ipc_weight_sync": False, "use_ema": False}
+    full |= {"ema_rollout_policy": "live", "globalize_reward_std": False, "ref_mode": "frozen"}
+    memory = static_memory(resolve(None, recipe="sd3-pickscore-nft", cli=full))
+    train = _on(memory, "actor 0", "train")
+    assert train["ref/frozen"] == train["params"] > 0 and train["ref/frozen_buffers"] == train["buffers"]
+    assert "ref/frozen" not in _on(memory, "actor 0", "rollout")  # offloaded with the params (colocated)
+    lora = full | {"use_lora": True, "lora_ipc_weight_sync": True, "ref_mode": "lora_base"}
+    assert not any(
+        name.startswith("ref/")
+        for name in _on(static_memory(resolve(None, recipe="sd3-pickscore-nft", cli=lora)), "actor 0", "train")
+    )
+
+
+def test_dpos_traced_micro_batch_holds_winners_and_losers() -> None:
+    """The method table's `forward_rows`: a dpo pair is two rows of the trained forward, never CFG's (nft: one)."""
+    from miles.memory.config_dirs import config_dir_for
+    from miles.memory.step import read_configs, train_spec
+    from miles.models.families import resolve_family
+    from miles.models.pipeline_config import target_components
+
+    specs = {}
+    for loss in ("dpo", "nft"):
+        cli = {"loss_type": loss, "micro_batch_size": 3}
+        if loss == "dpo":
+            cli |= {
+                "use_ema": False,
+                "ema_rollout_policy": "live",
+                "globalize_reward_std": False,
+                "ref_mode": "lora_base",
+            }
+        args = resolve(None, recipe="sd3-pickscore-nft", cli=cli).args
+        family = resolve_family(args.hf_checkpoint, family=args.diffusion_model_family)
+        configs = read_configs(config_dir_for(args.hf_checkpoint, family))
+        specs[loss] = train_spec(args, family, configs, family.denoiser_components(target_components(args)))
+    assert specs["dpo"].batch == 2 * specs["nft"].batch == 6
+    assert not specs["dpo"].cfg

@@ -48,6 +48,13 @@ def request(sde_steps: list[list[int]], seeds: list[int], **kw) -> GenerateReque
     )
 
 
+def recorded_sde_step(t, i: int, prev_sample: torch.Tensor | None = None):
+    """The Flow-SDE step i of the trajectory `t` from its recorded velocity (the request's noise level 0.7)."""
+    v = t.debug_model_outputs[i : i + 1]
+    kw = {"sde_type": "sde", "noise_level": 0.7, "sigma_max": t.sigmas[1], "prev_sample": prev_sample}
+    return sde_step(v, t.latents[i : i + 1], t.sigmas[i], t.sigmas[i + 1], **kw)
+
+
 def replay_step(engine: DiffusersEngine, sample, i: int, x: torch.Tensor) -> torch.Tensor:
     """The engine's transition i of `sample` recomputed from its recorded velocity (ODE, or the recorded SDE
     sample's own next latent)."""
@@ -73,16 +80,7 @@ def test_a_shared_prefix_branches_at_the_window_and_costs_r_plus_m_times_t_minus
         t = s.trajectory
         assert t.sde_step_indices == window
         for slot, i in enumerate(window):
-            res = sde_step(
-                t.debug_model_outputs[i : i + 1],
-                t.latents[i : i + 1],
-                t.sigmas[i],
-                t.sigmas[i + 1],
-                sde_type="sde",
-                noise_level=0.7,
-                sigma_max=t.sigmas[1],
-                prev_sample=t.latents[i + 1 : i + 2],
-            )
+            res = recorded_sde_step(t, i, prev_sample=t.latents[i + 1 : i + 2])
             assert float(res.log_prob) == pytest.approx(float(t.log_probs[slot]), abs=1e-5)
 
 
@@ -131,16 +129,7 @@ def test_the_behaviour_means_are_recorded_for_grpo_guard(engine) -> None:
     t = sample.trajectory
     assert t.sde_means is not None and t.sde_means.shape == (3, *t.latents.shape[1:])
     for slot, i in enumerate(window):
-        res = sde_step(
-            t.debug_model_outputs[i : i + 1],
-            t.latents[i : i + 1],
-            t.sigmas[i],
-            t.sigmas[i + 1],
-            sde_type="sde",
-            noise_level=0.7,
-            sigma_max=t.sigmas[1],
-        )
-        assert torch.allclose(res.mean[0], t.sde_means[slot], atol=1e-6)
+        assert torch.allclose(recorded_sde_step(t, i).mean[0], t.sde_means[slot], atol=1e-6)
     assert engine.generate([request([window], [70])])[0].trajectory.sde_means is None  # only when asked
 
 

@@ -24,6 +24,7 @@ from miles.config.flags import (
 DMD2_ONLY = frozenset({"dmd2"})
 SFT_ONLY = frozenset({"sft"})
 NFT_JOBS = frozenset({"rl", "replay"})
+DPO_JOBS = frozenset({"rl", "replay", "sft"})
 ENGINE_JOBS = frozenset({"rl", "dmd2", "eval", "rollout-only"})  # jobs that start rollout engines
 LOOP_JOBS = frozenset({"rl", "dmd2"})  # jobs whose loop alternates rollout and training
 

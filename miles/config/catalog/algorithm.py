@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from miles.config.catalog._common import NFT_JOBS, flag_maker
-from miles.config.flags import BOOL, DOTTED, ENUM, FLOAT, Flag
+from miles.config.catalog._common import DPO_JOBS, NFT_JOBS, flag_maker
+from miles.config.flags import BOOL, DOTTED, ENUM, FLOAT, INT, Flag
 from miles.methods import LOSS_TYPES  # the method table is the one list of loss types
 
 GROUP = "Algorithm and loss"
@@ -19,7 +19,13 @@ FLAGS: list[Flag] = [
         choices=LOSS_TYPES,
         meta={"default_text": "auto"},
     ),
-    _f("advantage-estimator", ENUM, "grpo", "Advantage estimator; grpo is the only value.", choices=("grpo",)),
+    _f(
+        "advantage-estimator",
+        ENUM,
+        "grpo",
+        "Advantage estimator: grpo (group mean and std), or gardo (GARDO's diversity-aware (r - mean) * m, no std).",
+        choices=("grpo", "gardo"),
+    ),
     _f(
         "disable-grpo-std-normalization",
         BOOL,
@@ -73,8 +79,10 @@ FLAGS: list[Flag] = [
         "ref-mode",
         ENUM,
         None,
-        "Reference model. Default (auto): lora_base when --diffusion-kl-beta > 0, ema under nft, else none.",
-        choices=("none", "lora_base", "ema"),
+        "Reference model: none, lora_base (the LoRA base, adapters off), ema (the EMA copy) or frozen (a frozen copy "
+        "of the start weights). Default (auto): ema under nft; lora_base under dpo with --use-lora, else frozen; "
+        "lora_base when --diffusion-kl-beta > 0; else none.",
+        choices=("none", "lora_base", "ema", "frozen"),
         meta={"default_text": "auto"},
     ),
     _f(
@@ -119,5 +127,22 @@ FLAGS: list[Flag] = [
         False,
         "NFT: turn off shuffling of the training timesteps.",
         jobs=NFT_JOBS,
+    ),
+    _f(
+        "diffusion-dpo-beta",
+        FLOAT,
+        100.0,
+        "DPO: the loss's beta in -log sigmoid(-(beta/2) (Delta_w - Delta_l)) (flow_grpo's convention; diffusers' "
+        "beta_dpo is beta/2); > 0; dpo only.",
+        min=0,
+        jobs=DPO_JOBS,
+    ),
+    _f(
+        "diffusion-dpo-num-timesteps",
+        INT,
+        1,
+        "DPO: fresh (noise, sigma) draws per pair per optimizer step, each one train pair; dpo only.",
+        min=1,
+        jobs=DPO_JOBS,
     ),
 ]

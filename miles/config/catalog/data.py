@@ -13,6 +13,20 @@ FLAGS: list[Flag] = [
     _f("input-key", STR, "input", "JSONL key holding the prompt text."),
     _f("metadata-key", STR, "metadata", "JSONL key holding the per-prompt metadata dict."),
     _f(
+        "chosen-key",
+        STR,
+        "chosen",
+        "Offline DPO (train sft --loss-type dpo): JSONL key of a preference row's chosen image path.",
+        jobs=SFT_ONLY,
+    ),
+    _f(
+        "rejected-key",
+        STR,
+        "rejected",
+        "Offline DPO (train sft --loss-type dpo): JSONL key of a preference row's rejected image path.",
+        jobs=SFT_ONLY,
+    ),
+    _f(
         "data-source-path",
         DOTTED,
         None,

@@ -16,6 +16,7 @@ from miles.config.rules import (
     inputs,
     misc,
     optimizer,
+    reward_guard,
     topology,
     training_backend,
 )
@@ -28,6 +29,7 @@ SHARED_RULES = (
     *batch.RULES,
     *algorithm.RULES,
     *data.RULES,
+    *reward_guard.RULES,
     *misc.RULES,
     *engines.RULES,
     *fault_tolerance.RULES,

@@ -81,6 +81,24 @@ def check_sampler(res: Resolution, job: JobSpec) -> None:
             )
 
 
+def check_advantages(res: Resolution, job: JobSpec) -> None:
+    """gardo's advantage is `(r - group mean) * m` (no std, the prompt's own mean): the group-statistics flags of
+    grpo would be ignored, so they are refused with it."""
+    if res["advantage_estimator"] != "gardo":
+        return
+    for dest in ("disable_grpo_std_normalization", "globalize_reward_mean", "globalize_reward_std"):
+        if res[dest]:
+            res.fail(
+                f"{res.show(dest)} changes grpo's group statistics; {res.show('advantage_estimator')} uses the "
+                "prompt's mean and no std"
+            )
+    if res["custom_reward_post_process_path"] is not None:
+        res.fail(
+            f"{res.show('custom_reward_post_process_path')} replaces the advantage estimator, so "
+            f"{res.show('advantage_estimator')} would not run"
+        )
+
+
 def check_dmd2(res: Resolution, job: JobSpec) -> None:
     if job.name != "dmd2":
         return
@@ -113,4 +131,4 @@ def check_train_hooks(res: Resolution, job: JobSpec) -> None:
                 )
 
 
-RULES = (check_reference_and_ema, check_method, check_sampler, check_dmd2, check_train_hooks)
+RULES = (check_reference_and_ema, check_method, check_sampler, check_advantages, check_dmd2, check_train_hooks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.config.catalog import FLAGS_BY_DEST
 from miles.config.resolution import Resolution
 from miles.methods import METHODS
 
@@ -48,13 +49,62 @@ def check_custom_loss(res: Resolution, job: JobSpec) -> None:
         res.fail(f"{res.show('loss_type')} requires --custom-loss-function-path")
 
 
+# flags that shape the GRPO advantages or add a KL term: dpo reads neither (it ranks each group by its raw reward,
+# and its reference is in the loss), so a value other than the default would be ignored
+DPO_UNREAD = (
+    "advantage_estimator",
+    "globalize_reward_mean",
+    "globalize_reward_std",
+    "disable_grpo_std_normalization",
+    "custom_reward_post_process_path",
+    "diffusion_kl_beta",
+)
+
+
+def check_dpo(res: Resolution, job: JobSpec) -> None:
+    """DPO needs a reference, and online it pairs within whole prompt groups: every optimizer window must hold
+    complete groups of at least two samples."""
+    if res["ref_mode"] == "none":
+        res.fail(
+            f"--loss-type dpo compares the policy with a reference, but {res.show('ref_mode')}: use --ref-mode "
+            "frozen (a frozen copy of the start weights), lora_base (with --use-lora) or ema (with --use-ema)"
+        )
+    if not res["diffusion_dpo_beta"] > 0:
+        res.fail(f"{res.show('diffusion_dpo_beta')} must be > 0 (the loss's inverse temperature)")
+    if job.name == "sft":
+        return  # offline: preference rows, no groups and no rewards
+    for dest in DPO_UNREAD:
+        if res[dest] != FLAGS_BY_DEST[dest].default:
+            res.fail(
+                f"{res.show(dest)} is not read by --loss-type dpo, which pairs each group's best and worst raw reward "
+                "(--reward-key) and has its reference in the loss; remove it"
+            )
+    for dest in ("micro_batch_size_sample", "micro_batch_size_tstep"):
+        if res[dest] is not None:
+            res.fail(
+                f"{res.show(dest)} tiles samples x SDE timesteps; --loss-type dpo trains (winner, loser) pairs: "
+                "use --micro-batch-size"
+            )
+    n, gbs = res["n_samples_per_prompt"], res["global_batch_size"]
+    if n < 2:
+        res.fail(
+            f"--loss-type dpo pairs the best and the worst sample of each prompt group, but "
+            f"{res.show('n_samples_per_prompt')} makes groups of one: use 2 or more"
+        )
+    if gbs is not None and gbs % n:
+        res.fail(
+            f"--loss-type dpo pairs within whole prompt groups, but {res.show('global_batch_size')} is not a multiple "
+            f"of {res.show('n_samples_per_prompt')}, so an optimizer window would split a group"
+        )
+
+
 def check_method(res: Resolution, job: JobSpec) -> None:
     if not job.trains:
         return
     loss = res["loss_type"]
     for other in METHODS.values():
         for dest in other.own_flags:
-            if other.name != loss and res[dest] not in (None, False):
+            if other.name != loss and res[dest] != FLAGS_BY_DEST[dest].default:
                 res.fail(f"{res.show(dest)} applies to --loss-type {other.name} only, not {loss}")
     current = METHODS.get(loss)
     if current is not None and current.rules is not None:
@@ -62,4 +112,4 @@ def check_method(res: Resolution, job: JobSpec) -> None:
 
 
 # the table's `rules` names
-RULE_FUNCTIONS = {fn.__name__: fn for fn in (check_policy_loss, check_nft, check_custom_loss)}
+RULE_FUNCTIONS = {fn.__name__: fn for fn in (check_policy_loss, check_nft, check_custom_loss, check_dpo)}

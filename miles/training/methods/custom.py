@@ -21,7 +21,7 @@ replace them); on dataset latents the inputs are flow matching's (`miles.trainin
     loss(args, batch: dict, model_output: Tensor) -> (loss: Tensor, metrics: dict[str, float])
     The loss formula only: the DiT forward stays in the trainer, which runs it on the batch (with CFG
     when `guidance_scale` > 1) and passes the fp32 velocity `model_output` [B, C, h, w]. Under a
-    reference model (`--ref-mode lora_base|ema`) `batch["ref_model_output"]` holds the reference
+    reference model (`--ref-mode lora_base|ema|frozen`) `batch["ref_model_output"]` holds the reference
     velocity (no grad). `loss` is a scalar that carries the graph; micro-batch losses are accumulated
     weighted by their share of the step's pairs, as for the built-in losses.
 

@@ -180,7 +180,16 @@ def samples_from_outputs(
         image = adapter.from_engine_image(out["generated_output"])
         elapsed = float(out.get("inference_time_s") or 0.0) / m
         if req.evaluation:
-            samples.append(req.sample(b, trajectory=None, conditions=None, image=image, inference_time_s=elapsed))
+            samples.append(
+                req.sample(
+                    b,
+                    trajectory=None,
+                    conditions=None,
+                    image=image,
+                    inference_time_s=elapsed,
+                    denoiser_calls=float(req.num_steps),  # every output its own trajectory
+                )
+            )
             continue
         dit = out["dit_trajectory"]
         latents = adapter.from_engine_latents(dit["latents"], req.height, req.width)
@@ -210,6 +219,7 @@ def samples_from_outputs(
                 conditions=Conditions(positive, negative, cfg_scale if cfg_scale > 1.0 else 1.0, scale_2),
                 image=image,
                 inference_time_s=elapsed,
+                denoiser_calls=float(num_steps),
             )
         )
     return samples
