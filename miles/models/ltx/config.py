@@ -27,7 +27,7 @@ the video velocity no longer depends on the audio latents.
 
 SFT trains the video stream only: the digits data has no audio, so `encode_images` gives the video latent and
 zero audio planes, the loss reads the video channels (`data_mask`), and `--rollout-patch-group ltx` is required
-so the video velocity does not depend on the audio planes it is not given. DMD2 and NFT stay refused.
+so the video velocity does not depend on the audio planes it is not given. DMD2, NFT and DPO stay refused.
 
 The reference's rules: unguided (guidance 1.0, no negative prompt), no CFG training; CPS sigma =
 timestep / 1000.
@@ -352,9 +352,10 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
         known = METHODS.get(res["loss_type"])  # None under eval / rollout-only without a loss type
         if job.name == "dmd2" or (known is not None and known.renoises_samples):
             what = "`miles train dmd2`" if job.name == "dmd2" else res.show("loss_type")
+            renoising = ", ".join(m.name for m in METHODS.values() if m.renoises_samples and m.jobs)
             res.fail(
-                f"{what}: model family 'ltx' trains Flow-GRPO, and SFT on its video stream only (DMD2 and NFT "
-                "would need audio latents for the data)"
+                f"{what}: model family 'ltx' trains Flow-GRPO, and SFT on its video stream only (the methods that "
+                f"re-noise clean samples, {renoising}, would need audio latents for the data)"
             )
         if job.name == "sft" and not _has_patch_group(res["rollout_patch_group"]):
             res.fail(
