@@ -124,7 +124,15 @@ def left_behind(out: Path, wait_s: float = 10.0) -> list[str]:
         time.sleep(0.5)
 
 
-NOISE = ("Token authentication", "worker processes have been started", "repeated", "(raylet)", "pid=", "Traceback")
+NOISE = (
+    "Started a local Ray instance",
+    "Token authentication",
+    "worker processes have been started",
+    "repeated",
+    "(raylet)",
+    "pid=",
+    "Traceback",
+)
 
 
 def assert_one_clean_line(job: Job) -> str:
@@ -134,7 +142,9 @@ def assert_one_clean_line(job: Job) -> str:
     for noise in NOISE:
         assert noise not in job.text, (noise, job.text[-4000:])
     assert re.search(r"^miles: diffusers engine 0 \(node 0, CPU, pid \d+\) ready$", job.text, re.MULTILINE)
-    assert "Token authentication" in (job.out / "logs" / "driver.log").read_text()
+    # Ray's own notices went to the run's log (its start-up line is always there; a notice such as "Token
+    # authentication is enabled" only where Ray says it, which depends on the machine's Ray state)
+    assert "Started a local Ray instance" in (job.out / "logs" / "driver.log").read_text()
     return errors[0]
 
 
