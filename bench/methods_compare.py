@@ -48,6 +48,15 @@ def done_to(run: Path) -> int:
     return 1 + max((r["rollout_id"] for r in read_metrics(path)), default=-1) if path.is_file() else 0
 
 
+def keep_rows_to(run: Path, last: int) -> None:
+    """Drop the metrics rows past rollout `last` (a chunk interrupted after its checkpoint): the resumed job logs
+    those rollouts again, and the metrics file is append-only."""
+    path = run / "metrics.jsonl"
+    if path.is_file():
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        path.write_text("".join(line + "\n" for line in lines if json.loads(line)["rollout_id"] <= last))
+
+
 def run_chunks(recipes: list[str], checkpoints: list[int], out: Path) -> dict[str, list[dict]]:
     """Train every recipe chunk by chunk (skipping the chunks a previous call finished); after each chunk the
     exported pipeline is kept as `exports/at_<end>` for `eval_exports`."""
@@ -66,6 +75,7 @@ def run_chunks(recipes: list[str], checkpoints: list[int], out: Path) -> dict[st
             argv += ["--save", str(ckpt), "--save-interval", str(end)]
             if (ckpt / "latest_checkpointed_iteration.txt").is_file():
                 argv += ["--load", str(ckpt)]
+                keep_rows_to(run, int((ckpt / "latest_checkpointed_iteration.txt").read_text()))
             start = time.perf_counter()
             rc = miles(argv)
             took = time.perf_counter() - start
