@@ -333,6 +333,16 @@ def _add_sub_apps() -> None:
 _add_sub_apps()
 
 
+def _add_reward_app() -> None:
+    """`miles reward serve`: rewards as an HTTP service."""
+    from miles_cli.reward_cmd import app as reward_app
+
+    app.add_typer(reward_app, name="reward", rich_help_panel="Services")
+
+
+_add_reward_app()
+
+
 def _add_dashboard() -> None:
     """`miles dashboard DIR` (torch- and Ray-free: it only reads the trace files)."""
     from miles_cli.dashboard_cmd import dashboard

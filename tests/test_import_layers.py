@@ -41,7 +41,7 @@ ORDER = (
     "preflight",
     "runtime",
 )
-GROUND_MODULES = ("methods",)  # miles/<name>.py: on the floor of core
+GROUND_MODULES = ("methods", "rewards")  # miles/<name>.py: on the floor of core: the method and reward tables
 # package.module -> the floor it sits on, below its package's (a table the lower floors read)
 MODULE_FLOORS = {"builtin.names": "utils"}
 

@@ -31,9 +31,25 @@ INT_LIST = "int_list"  # "1,2,3" -> [1, 2, 3]
 STR_LIST = "str_list"  # "a,b" or repeated -> ["a", "b"]
 NAMED_PATHS = "named_paths"  # repeatable NAME PATH -> {name: path}
 DOTTED = "dotted"  # a dotted Python path "pkg.module.attr"
+WEIGHTS = "weights"  # "a=1,b=0.2" or a mapping {a: 1, b: 0.2} -> {name: float}
 PATH = "path"  # a filesystem path or path template (kept as a string)
 
-KINDS = (INT, FLOAT, STR, BOOL, TRISTATE, ENUM, JSON, INT_RANGE, INT_LIST, STR_LIST, NAMED_PATHS, DOTTED, PATH)
+KINDS = (
+    INT,
+    FLOAT,
+    STR,
+    BOOL,
+    TRISTATE,
+    ENUM,
+    JSON,
+    INT_RANGE,
+    INT_LIST,
+    STR_LIST,
+    NAMED_PATHS,
+    DOTTED,
+    PATH,
+    WEIGHTS,
+)
 
 _DOTTED_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 _FLOAT_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$|^[+-]?(inf|nan)$", re.IGNORECASE)
@@ -47,7 +63,7 @@ class Flag:
     kind: one of KINDS.
     default: the resolved default (None = unset). For BOOL it is False unless stated.
     group: the help panel, named after the CLI reference's groups.
-    choices: allowed values for ENUM (and for each item of STR_LIST when given).
+    choices: allowed values for ENUM (and for each item of STR_LIST, each name of WEIGHTS, when given).
     aliases: other long names accepted on the command line and in YAML (e.g. "debug-train-only").
     jobs: the jobs the flag means something to; None = every job. Setting it on the command
         line (or in the custom YAML) for another job is an error naming both.
@@ -160,6 +176,8 @@ class Flag:
             return json.dumps(value, sort_keys=True)
         if self.kind == NAMED_PATHS:
             return " ".join(f"{k}={v}" for k, v in value.items())
+        if self.kind == WEIGHTS:
+            return ",".join(f"{k}={_num(v)}" for k, v in value.items())
         return str(value)
 
 
@@ -315,6 +333,50 @@ def _parse_named_paths(flag: Flag, raw: Any) -> dict[str, str]:
     return result
 
 
+def _parse_weights(flag: Flag, raw: Any) -> dict[str, float]:
+    """`name=w,name=w` or a mapping (YAML `{digit: 1.0, ocr: 0.5}`, or that mapping as JSON/YAML text)."""
+    example = "like 'digit=1,ocr=0.5'"
+    if isinstance(raw, dict):
+        items = [(str(k), v) for k, v in raw.items()]
+    else:
+        text = _parse_str(flag, raw).strip()
+        if text.startswith("{"):
+            import yaml
+
+            try:
+                loaded = yaml.safe_load(text)
+            except yaml.YAMLError:
+                loaded = None
+            if not isinstance(loaded, dict):
+                raise ValueError(f"expected a mapping like '{{digit: 1.0, ocr: 0.5}}', got {raw!r}")
+            items = [(str(k), v) for k, v in loaded.items()]
+        else:
+            items = []
+            for part in (p.strip() for p in text.split(",")):
+                name, eq, value = part.partition("=")
+                if not eq or not name.strip():
+                    raise ValueError(f"{part!r} is not NAME=WEIGHT ({example})")
+                items.append((name.strip(), value.strip()))
+    if not items:
+        raise ValueError(f"expected at least one NAME=WEIGHT ({example})")
+    weights: dict[str, float] = {}
+    for name, value in items:
+        if flag.choices and name not in flag.choices:
+            raise ValueError(f"{name!r} is not one of {', '.join(flag.choices)}{_did_you_mean(name, flag.choices)}")
+        if name in weights:
+            raise ValueError(f"{name!r} is given twice")
+        if isinstance(value, bool):
+            raise ValueError(f"the weight of {name!r} must be a number, got {value!r}")
+        try:
+            weight = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"the weight of {name!r} is not a number: {value!r}") from None
+        if not math.isfinite(weight):
+            raise ValueError(f"the weight of {name!r} must be a finite number, got {value!r}")
+        weights[name] = weight
+    return weights
+
+
 def _parse_dotted(flag: Flag, raw: Any) -> str:
     text = _parse_str(flag, raw).strip()
     if not _DOTTED_RE.match(text):
@@ -336,6 +398,7 @@ _PARSERS: dict[str, Callable[[Flag, Any], Any]] = {
     STR_LIST: _parse_str_list,
     NAMED_PATHS: _parse_named_paths,
     DOTTED: _parse_dotted,
+    WEIGHTS: _parse_weights,
 }
 
 

@@ -92,6 +92,9 @@ class Sample:
     conditions: Conditions | None = None
     image: torch.Tensor | None = None
     reward: float | dict[str, float] | None = None
+    # a multi-reward job's raw score of each reward type (`--rm-type a,b`, `--reward-weights`); `reward` is then
+    # their weighted sum
+    reward_components: dict[str, float] | None = None
     advantage: float | None = None
     remove_sample: bool = False
     status: str = PENDING

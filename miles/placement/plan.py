@@ -26,6 +26,7 @@ from typing import Any
 
 from miles.core.errors import ConfigError
 from miles.placement.cluster import ClusterSpec, NodeSpec
+from miles.rewards import reward_names
 
 TRAIN_SHARE = 0.7
 ROLLOUT_SHARE = 0.25
@@ -160,7 +161,7 @@ def _runs_engines(job: Any, args: Any) -> bool:
 
 def _reward_gpus(job: Any, args: Any) -> float:
     """GPUs per PickScore worker when the job scores with PickScore on GPUs, else 0."""
-    if not job.scores or args.train_only or args.rm_type != "pickscore":
+    if not job.scores or args.train_only or "pickscore" not in reward_names(args):
         return 0.0
     return float(args.pickscore_num_gpus_per_worker or 0.0)
 

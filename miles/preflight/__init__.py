@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from miles.core.errors import ConfigError
-from miles.preflight import checkpoint, cluster, data, hooks, memory, models, replay
+from miles.preflight import checkpoint, cluster, data, hooks, memory, models, replay, rewards
 from miles.preflight.base import TRAINING_JOBS, Check
 from miles.utils.text import clip
 
@@ -31,6 +31,7 @@ CHECKS: tuple[Check, ...] = (
     Check("prompt data", data.check_prompt_data, jobs=data.PROMPT_DATA_JOBS),
     Check("eval data", data.check_eval_data),
     Check("hooks", hooks.check_hooks),
+    Check("reward service", rewards.check_remote_reward, jobs=rewards.SCORING_JOBS),
     Check("--load", checkpoint.check_load, jobs=TRAINING_JOBS),
     Check("--save", checkpoint.check_save_over_checkpoints, jobs=TRAINING_JOBS),
     Check("output folders", checkpoint.check_outputs),

@@ -43,25 +43,28 @@ def reward_check(args: Any) -> LineCheck | None:
     """The reward's needs of each line (None: nothing to check, e.g. under --custom-rm-path)."""
     if args.custom_rm_path:
         return None
-    from miles.rollout.rm_hub.dispatch import BUILTIN_RM_TYPES, check_reward_inputs
+    from miles.rewards import REWARD_TYPES, reward_names
+    from miles.rollout.rm_hub.dispatch import check_reward_inputs
 
-    default = args.rm_type
+    defaults = reward_names(args)
 
     def check(where: str, row: dict[str, Any], prompt: str, metadata: dict[str, Any]) -> None:
-        rm_type = metadata.get("rm_type") or default
-        if rm_type == "digit" and type(label := metadata.get("label")) is int and 0 <= label <= 9:
+        override = metadata.get("rm_type")
+        types = [override] if override else defaults
+        if types == ["digit"] and type(label := metadata.get("label")) is int and 0 <= label <= 9:
             return  # the common case, without a call (a million lines)
-        if rm_type is None:
+        if not types:
             raise ConfigError(f"{where}: no reward type: set --rm-type (or metadata.rm_type, or --custom-rm-path)")
-        if rm_type not in BUILTIN_RM_TYPES:
+        if override and (not isinstance(override, str) or override not in REWARD_TYPES):
             raise ConfigError(
-                f"{where}: metadata.rm_type {clip_repr(rm_type)} is not a built-in reward "
-                f"({', '.join(BUILTIN_RM_TYPES)}); use one of them or --custom-rm-path"
+                f"{where}: metadata.rm_type {clip_repr(override)} is not a reward type "
+                f"({', '.join(REWARD_TYPES)}); use one of them or --custom-rm-path"
             )
-        try:
-            check_reward_inputs(rm_type, prompt, metadata)
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+        for rm_type in types:
+            try:
+                check_reward_inputs(rm_type, prompt, metadata)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
 
     return check
 

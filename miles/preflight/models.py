@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.models.hub_cache import cached_snapshot, describe_cache, looks_like_hub_id, snapshots
 from miles.models.model_record import denoiser_components, read_json_object
+from miles.rewards import REWARD_TYPES
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -78,16 +79,26 @@ class ModelInput:
     used: Callable[[Any], bool] = lambda args: True
 
 
-def _uses_pickscore(args: Any) -> bool:
-    return args.rm_type == "pickscore" and not args.custom_rm_path
+def _uses_reward(name: str) -> Callable[[Any], bool]:
+    """Whether the job scores with reward type `name` (its model paths are then loaded)."""
+
+    def used(args: Any) -> bool:
+        from miles.rewards import reward_names
+
+        return name in reward_names(args) and not args.custom_rm_path
+
+    return used
 
 
 MODEL_INPUTS: tuple[ModelInput, ...] = (
     ModelInput("hf_checkpoint", "--hf-checkpoint", "pipeline"),
     ModelInput("teacher_checkpoint", "--teacher-checkpoint", "pipeline", jobs=frozenset({"dmd2"})),
     ModelInput("sft_encoder_checkpoint", "--sft-encoder-checkpoint", "encoder", jobs=frozenset({"sft"})),
-    ModelInput("pickscore_model_path", "--pickscore-model-path", "clip_model", used=_uses_pickscore),
-    ModelInput("pickscore_processor_path", "--pickscore-processor-path", "clip_processor", used=_uses_pickscore),
+    *(
+        ModelInput(dest, "--" + dest.replace("_", "-"), kind, used=_uses_reward(name))
+        for name, reward in REWARD_TYPES.items()
+        for dest, kind in reward.model_paths
+    ),
 )
 
 
@@ -119,6 +130,8 @@ def layout_for(kind: str, args: Any, value: str) -> Layout:
         return pipeline_layout(())
     if kind == "clip_model":
         return file_layout("config.json", what="transformers model")
+    if kind == "tokenizer":
+        return file_layout("tokenizer_config.json", "tokenizer.json", "vocab.json", "vocab.txt", what="tokenizer")
     return file_layout("preprocessor_config.json", "processor_config.json", "tokenizer_config.json", what="processor")
 
 
@@ -134,15 +147,22 @@ def check_model_paths(resolved: ResolvedJob) -> list[str]:
         flags.setdefault((str(value), spec.kind), []).append(spec.flag)
     problems = []
     for (value, kind), named in flags.items():
-        problem = model_path_problem(value, layout_for(kind, args, value))
+        if kind == "file":  # one weights file (an aesthetic head, an HPS checkpoint)
+            path = Path(value).expanduser()
+            if not path.is_file():
+                what = "is a folder; give the weights file in it" if path.is_dir() else "no such file"
+                problems.append(f"{named[0]} {value}: {what}")
+            continue
+        problem = model_path_problem(value, layout_for(kind, args, value), pipeline=kind in ("pipeline", "encoder"))
         if problem:
             also = f" (and {', '.join(named[1:])})" if len(named) > 1 else ""
             problems.append(f"{named[0]}{also} {value}: {problem}")
     return problems
 
 
-def model_path_problem(value: str, layout: Layout) -> str | None:
-    """What is wrong with one model path (None: it loads without the network)."""
+def model_path_problem(value: str, layout: Layout, pipeline: bool = True) -> str | None:
+    """What is wrong with one model path (None: it loads without the network); `pipeline`: a diffusers pipeline
+    (a built-in model name is one too), else a transformers model, processor or tokenizer folder."""
     from miles.builtin.checkpoints import builtin_checkpoint_dir, is_complete
     from miles.builtin.names import BUILTIN_MODELS, is_builtin_model
 
@@ -174,6 +194,8 @@ def model_path_problem(value: str, layout: Layout) -> str | None:
             f"(`huggingface-cli download {value}`), or give a local folder or a built-in model "
             f"({', '.join(BUILTIN_MODELS[:2])}, ...)"
         )
+    if not pipeline:
+        return "no such folder; give a local folder or a Hugging Face id (org/name) in the local cache"
     return (
         "no such folder; give a local diffusers pipeline folder, a Hugging Face id (org/name) in the local "
         f"cache, or a built-in model ({', '.join(BUILTIN_MODELS[:2])}, ...)"

@@ -19,6 +19,17 @@ its features from DINOv3; here they are the outputs average-pooled to at most 64
 since no feature network's weights may be downloaded (a user's features: `--custom-reward-post-process-path`). The
 group std flags do not apply to it (refused with it).
 
+Several rewards (`--rm-type a,b`, `--reward-weights`), by `--reward-component-norm`:
+
+    none   A = estimator(sum_k w_k r_k)                              the weighted sum of raw scores (flow_grpo)
+    group  A = sum_k w_k estimator(r_k)                              each reward's own group advantage, then
+                                                                     weighted (MixGRPO's advantage_aggr, GDPO)
+    batch  A = estimator(sum_k w_k (r_k - mean(r_k)) / (std(r_k) + 1e-4))   each reward z-scored over the rollout
+
+`none` is the default because it is what the references train with and it keeps a weight's meaning (a unit of
+reward is worth w); `group` and `batch` keep a reward with a wide range (JPEG size in kB) from drowning one in
+[0, 1], at the cost of weighting a component's noise as much as its signal when its spread is tiny.
+
 Samples flagged `remove_sample` still count: the filter masks the loss, not the statistics.
 `--custom-reward-post-process-path` replaces all of this with `post_process(args, samples) -> (raw, normalized)`.
 """
@@ -140,10 +151,50 @@ def post_process_rewards(args: Any, samples: list[Sample]) -> tuple[list[float],
         _check_groups(samples, n)
         reward_key = args.reward_key
         raw = [sample.scalar_reward(reward_key) for sample in samples]
-        normalized = ESTIMATORS[args.advantage_estimator](args, samples, raw, n)
+        estimator = ESTIMATORS[args.advantage_estimator]
+        norm = getattr(args, "reward_component_norm", None) or "none"
+        if norm == "none" or not any(s.reward_components for s in samples):
+            normalized = estimator(args, samples, raw, n)
+        else:
+            normalized = _by_component(args, samples, n, norm, estimator)
     for sample, advantage in zip(samples, normalized, strict=True):
         sample.advantage = float(advantage)
     return raw, normalized
+
+
+def _components(args: Any, samples: Sequence[Sample]) -> dict[str, tuple[float, list[float]]]:
+    """{reward type: (weight, [each sample's raw score])}; every sample must carry every component."""
+    from miles.rewards import reward_components
+
+    out: dict[str, tuple[float, list[float]]] = {}
+    for name, weight in reward_components(args):
+        values = []
+        for sample in samples:
+            comps = sample.reward_components or {}
+            if name not in comps:
+                raise ValueError(
+                    f"sample {sample.index} has no {name!r} score (its metadata.rm_type replaces the job's rewards); "
+                    "--reward-component-norm needs every reward on every sample"
+                )
+            values.append(float(comps[name]))
+        out[name] = (weight, values)
+    return out
+
+
+def _by_component(args: Any, samples: list[Sample], n: int, norm: str, estimator: Any) -> list[float]:
+    """The advantages of a multi-reward rollout under `--reward-component-norm group|batch` (module docstring)."""
+    components = _components(args, samples)
+    if norm == "group":
+        total = torch.zeros(len(samples), dtype=torch.float64)
+        for weight, values in components.values():
+            total += weight * torch.tensor(estimator(args, samples, values, n), dtype=torch.float64)
+        return total.tolist()
+    combined = torch.zeros(len(samples), dtype=torch.float64)
+    for weight, values in components.values():
+        r = torch.tensor(values, dtype=torch.float64)
+        std = r.std() if r.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+        combined += weight * (r - r.mean()) / (std + STD_EPS)
+    return estimator(args, samples, combined.tolist(), n)
 
 
 def _check_groups(samples: Sequence[Sample], n: int) -> None:

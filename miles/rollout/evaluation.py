@@ -173,6 +173,9 @@ def eval_metrics(args: Any, name: str, samples: list[Sample]) -> dict[str, float
         f"eval/{name}/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         f"eval/{name}/num_samples": float(len(samples)),
     }
+    from miles.rollout.reward_metrics import component_metrics
+
+    out.update({k.replace("/raw_", "/reward_"): v for k, v in component_metrics(f"eval/{name}", samples).items()})
     labelled = [s for s in samples if isinstance(s.metadata.get("label"), int)]
     if labelled and len(labelled) == len(samples):
         from miles.rollout.rm_hub.digit_metrics import digit_eval_metrics

@@ -25,7 +25,8 @@ class GoldArgs:
         self._args = args
         gold = str(args.gold_rm_type)
         self.custom_rm_path = gold if "." in gold else None
-        self.rm_type = None if "." in gold else gold
+        self.rm_type = None if "." in gold else [gold]
+        self.reward_weights = None
         self.reward_key = args.gold_reward_key
 
     def __getattr__(self, name: str) -> Any:

@@ -137,6 +137,8 @@ class RolloutManager:
         self.use_ray_engines = use_ray_engines
         self.sglang: Any = None  # SglangRollout under --rollout-backend sglang
         self.supervisor: Any = None  # EngineSupervisor of the diffusers engine actors (health, restarts)
+        # when the last call of `run_requests` had every sample generated (its scoring may end later)
+        self.generation_end: float | None = None
         self.engines = engines if engines is not None else self._make_engines()
         if use_ray_engines:
             self._make_reward_pools()
@@ -358,32 +360,60 @@ class RolloutManager:
 
     # ---- phases 1 and 2 --------------------------------------------------------------------
     def run_requests(self, requests: list[GenerateRequest], score: bool = False) -> list[Sample]:
-        """Spread the requests over the engines (round robin) and gather the samples. sglang engines are
-        reached through the miles router, and with `score` each microgroup is scored as soon as it arrives."""
+        """Spread the requests over the engines (round robin) and gather the samples. With `score` (and without
+        `--group-rm`) each microgroup is scored as soon as it arrives, while the engines generate the rest
+        (`miles.rollout.streaming_score`); sglang engines are reached through the miles router and score alike."""
         if rollout_hooks.generate_function(self.args) is not None:  # --custom-generate-function-path
             return rollout_hooks.run_custom_generate(self.args, requests)
         if self.sglang is not None:
-            return self.sglang.run(requests, score=score)
+            samples = self.sglang.run(requests, score=score)
+            self.generation_end = self.sglang.generation_end
+            return samples
+        from miles.rollout.streaming_score import StreamingScorer
+
         shards: list[list[GenerateRequest]] = [[] for _ in self.engines]
         for i, request in enumerate(requests):
             shards[i % len(self.engines)].append(request)
-        if self.supervisor is not None:  # one call per microgroup; a dead engine's unfinished ones re-sent
-            return self.supervisor.run(shards)
-        if self.use_ray_engines:
-            import ray
+        stream = score and not self.args.group_rm
+        with StreamingScorer(self.args) as scorer:
+            samples = self._generate(shards, scorer.submit if stream else None)
+            self.generation_end = time.perf_counter()  # the scoring of the last microgroups may go on
+        return samples
 
-            futures = [
-                engine.generate.remote(shard) for engine, shard in zip(self.engines, shards, strict=True) if shard
-            ]
-            results = ray.get(futures)
-        else:
-            results = [engine.generate(shard) for engine, shard in zip(self.engines, shards, strict=True) if shard]
-        return [sample for result in results for sample in result]
+    def _generate(self, shards: list[list[GenerateRequest]], on_result: Any) -> list[Sample]:
+        """The diffusers engines' samples, one call per microgroup; `on_result` gets each call's samples."""
+        from miles.rollout.engines.diffusers_engine import eval_batches
+
+        if self.supervisor is not None:  # a dead engine's unfinished calls are re-sent
+            return self.supervisor.run(shards, on_result=on_result)
+        size = int(self.args.rollout_microgroup_size)
+        units = [(i, unit) for i, shard in enumerate(shards) if shard for unit in eval_batches(shard, size)]
+        if not self.use_ray_engines:
+            results = []
+            for i, unit in units:
+                results.append(self.engines[i].generate(unit))
+                if on_result is not None:
+                    on_result(results[-1])
+            return [sample for result in results for sample in result]
+        import ray
+
+        refs = [self.engines[i].generate.remote(unit) for i, unit in units]  # in order on each engine
+        order = {ref: k for k, ref in enumerate(refs)}
+        done: dict[int, list[Sample]] = {}
+        waiting = list(refs)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            for ref in ready:
+                done[order[ref]] = ray.get(ref)
+                if on_result is not None:
+                    on_result(done[order[ref]])
+        return [sample for k in range(len(refs)) for sample in done[k]]
 
     def generate(self, rollout_id: int) -> RolloutBatch:
         from miles.rollout.advantages import post_process_rewards
         from miles.rollout.diversity import intra_group_diversity
         from miles.rollout.filter_hub import apply_dynamic_filter, apply_sample_filter
+        from miles.rollout.reward_metrics import component_metrics
         from miles.rollout.rm_hub.dispatch import score_groups, score_samples
 
         args = self.args
@@ -400,9 +430,11 @@ class RolloutManager:
             requests = build_requests(
                 args, groups, self.strategy, allowed_steps=self._allowed_steps, rollout_id=rollout_id
             )
+            self.generation_end = None
             by_index = {s.index: s for s in self.run_requests(requests, score=True)}
             groups = [[_merge(s, by_index[s.index]) for s in group] for group in groups]
-        generated = time.perf_counter()
+        # generation ends when the last sample arrives; the scoring of the last microgroups may end later
+        generated = self.generation_end or time.perf_counter()
         flat = [s for group in groups for s in group]
         if args.group_rm:
             asyncio.run(score_groups(args, groups))
@@ -429,6 +461,7 @@ class RolloutManager:
             "perf/rollout_time": time.perf_counter() - start,
             **hook_metrics,
         }
+        metrics.update(component_metrics("rollout/reward", flat))
         diversity = intra_group_diversity(groups)
         if diversity is not None:
             metrics["rollout/diversity"] = diversity

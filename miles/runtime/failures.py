@@ -32,7 +32,7 @@ ONE_LINE_ERRORS = (
     "miles.core.errors.EngineFailure",
     "miles.rollout.engines.supervisor.DiffusersEngineError",
     "miles.rollout.engines.sglang.rollout.RolloutEngineError",
-    "miles.rollout.rm_hub.dispatch.RewardError",
+    "miles.rollout.rm_hub.errors.RewardError",
     "miles.utils.deadline.HookTimeout",
 )
 _HEADER = re.compile(r"ray::([\w.<>]+)\(\)\S*\s*\(pid=(\d+), ip=([^,)]+)(?:, actor_id=(\w+))?")

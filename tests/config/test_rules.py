@@ -67,7 +67,7 @@ def test_pickscore_requires_its_paths(given: dict[str, str], missing: tuple[str,
 
 def test_pickscore_with_both_paths() -> None:
     args = run(rm_type="pickscore", pickscore_model_path="m", pickscore_processor_path="p").args
-    assert args.rm_type == "pickscore"
+    assert args.rm_type == ["pickscore"]
 
 
 def test_eval_interval_requires_eval_data() -> None:

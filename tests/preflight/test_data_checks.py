@@ -128,10 +128,12 @@ def test_the_ocr_reward_needs_a_quoted_target_and_the_prompt_is_clipped(job: Job
 
 
 def test_an_unknown_metadata_reward_type(job: Job, tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "p.jsonl", [{"input": "a", "metadata": {"rm_type": "aesthetic", "label": 1}}])
+    from miles.rewards import REWARD_TYPES
+
+    path = write_lines(tmp_path / "p.jsonl", [{"input": "a", "metadata": {"rm_type": "hpsv3", "label": 1}}])
     assert find_problems(job("rl", prompt_data=str(path))) == [
-        f"--prompt-data {path}:1: metadata.rm_type 'aesthetic' is not a built-in reward (digit, ocr, pickscore, "
-        "jpeg_compressibility, jpeg_incompressibility); use one of them or --custom-rm-path; fix or remove that line"
+        f"--prompt-data {path}:1: metadata.rm_type 'hpsv3' is not a reward type ({', '.join(REWARD_TYPES)}); use "
+        "one of them or --custom-rm-path; fix or remove that line"
     ]
 
 

@@ -157,8 +157,9 @@ def test_dispatch_scores_video_samples_with_the_digit_reward(tmp_path, video_cla
         )
     ]
     rewards = asyncio.run(batched_async_rm(_args(rm_type="digit", hf_checkpoint=str(tmp_path)), samples))
-    expected = digit_reward([s.image for s in samples], [s.metadata["label"] for s in samples], video_classifier)
-    assert rewards == pytest.approx(expected, abs=1e-9)
+    on_grid = [torch.round(s.image.clamp(0, 1) * 255) / 255 for s in samples]  # the dispatch reads 8-bit pixels
+    expected = digit_reward(on_grid, [s.metadata["label"] for s in samples], video_classifier)
+    assert rewards == pytest.approx(expected, abs=1e-6)
     assert rewards[0] > 0.9 and rewards[2] < 0.1
 
 

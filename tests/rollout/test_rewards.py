@@ -281,9 +281,9 @@ def test_dispatch_errors_name_type_and_sample(digit_ckpt):
         asyncio.run(batched_async_rm(args, bad))
     with pytest.raises(RewardError, match=r"sample 2.*no image"):
         asyncio.run(batched_async_rm(make_args(rm_type="jpeg_compressibility"), [sample(2, "p", None)]))
-    with pytest.raises(ConfigError, match=r"unknown reward type 'aesthetic' for sample 9"):
-        asyncio.run(batched_async_rm(args, [sample(9, "p", image, rm_type="aesthetic")]))
-    with pytest.raises(ConfigError, match=r"remote_rm.*--custom-rm-path"):
+    with pytest.raises(ConfigError, match=r"unknown reward type 'hpsv3' for sample 9"):
+        asyncio.run(batched_async_rm(args, [sample(9, "p", image, rm_type="hpsv3")]))
+    with pytest.raises(ConfigError, match=r"remote_rm requires --rm-url"):
         asyncio.run(batched_async_rm(make_args(rm_type="remote_rm"), [sample(0, "p", image)]))
     with pytest.raises(ConfigError, match="no reward type for sample 4"):
         asyncio.run(batched_async_rm(make_args(), [sample(4, "p", image)]))

@@ -17,6 +17,7 @@ from miles.config.flags import (
     PATH,
     STR,
     STR_LIST,
+    WEIGHTS,
     Flag,
 )
 
@@ -39,6 +40,7 @@ _METAVARS = {
     INT_LIST: "1,2,3",
     STR_LIST: "a,b",
     NAMED_PATHS: "NAME PATH",
+    WEIGHTS: "name=w,...",
 }
 
 

@@ -54,25 +54,38 @@ def check_prompt_data(res: Resolution, job: JobSpec) -> None:
     res.fail(f"--prompt-data is required by `miles {job.command}` (a JSONL file, one prompt per line)")
 
 
+REMOTE_FLAGS = ("rm_remote_name", "rm_batch_size", "rm_max_in_flight", "rm_timeout", "rm_retries", "rm_fault_wait")
+
+
 def check_reward(res: Resolution, job: JobSpec) -> None:
-    rm = res["rm_type"]
-    if rm == "remote_rm":
+    """The job's rewards (`--rm-type`, `--reward-weights`): each type's required flags, and weights that name the
+    same types as `--rm-type` when both are given."""
+    from miles.rewards import REWARD_TYPES
+
+    types, weights = res["rm_type"], res["reward_weights"]
+    if types is not None and weights is not None and set(types) != set(weights):
         res.fail(
-            f"{res.show('rm_type')} is not implemented by rm_hub: use --custom-rm-path and read args.rm_url there"
+            f"{res.show('rm_type')} and {res.show('reward_weights')} name different rewards: give the weights alone "
+            "(their names are the reward types), or the same types in both"
         )
-    if rm == "pickscore":
-        missing = [
-            opt
-            for opt, dest in (
-                ("--pickscore-model-path", "pickscore_model_path"),
-                ("--pickscore-processor-path", "pickscore_processor_path"),
-            )
-            if res[dest] is None
-        ]
+    if types is not None and len(set(types)) != len(types):
+        res.fail(f"{res.show('rm_type')}: a reward type is given twice")
+    names = list(weights) if weights is not None else list(types or [])
+    shown = res.show("reward_weights") if weights is not None else res.show("rm_type")
+    for name in names:
+        missing = ["--" + dest.replace("_", "-") for dest in REWARD_TYPES[name].required if res[dest] is None]
         if missing:
-            res.fail(f"{res.show('rm_type')} requires {' and '.join(missing)}")
+            res.fail(f"{shown}: {name} requires {' and '.join(missing)}")
+    remote = [d for d in REMOTE_FLAGS if res.explicit(d)]
+    if remote and "remote_rm" not in names:
+        res.fail(f"{res.show(remote[0])} configures the remote reward client: it needs remote_rm among the rewards")
+    if res["reward_component_norm"] != "none" and len(names) < 2:
+        res.fail(
+            f"{res.show('reward_component_norm')} normalises each of several rewards: give two or more with "
+            "--rm-type a,b or --reward-weights"
+        )
     skipped = res["train_only"] or res["load_debug_rollout_data"] is not None
-    if job.scores and not skipped and rm is None and res["custom_rm_path"] is None:
+    if job.scores and not skipped and not names and res["custom_rm_path"] is None:
         res.fail(f"`miles {job.command}` scores samples: set --rm-type or --custom-rm-path")
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from miles.config.catalog.reward import RM_TYPES
 from miles.config.resolution import Resolution
+from miles.rewards import REWARD_TYPES
 
 if TYPE_CHECKING:
     from miles.config.jobs import JobSpec
 
-GOLD_TYPES = tuple(t for t in RM_TYPES if t != "remote_rm")
+GOLD_TYPES = tuple(name for name, t in REWARD_TYPES.items() if t.gold)
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 _ACTS_ON = ("reward_guard_patience", "reward_guard_tolerance", "reward_guard_min_diversity")
 

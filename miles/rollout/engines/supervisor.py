@@ -352,9 +352,16 @@ class EngineSupervisor:
         if self.args.ci_test and self.fault_tolerant and rollout_id >= CI_CRASH_ROLLOUT and not self._crash_done:
             self._crash_pending, self._crash_done = True, True
 
-    def run(self, shards: list[list[GenerateRequest]], method: str = "generate", split: bool = True) -> list[Any]:
+    def run(
+        self,
+        shards: list[list[GenerateRequest]],
+        method: str = "generate",
+        split: bool = True,
+        on_result: Callable[[list[Any]], None] | None = None,
+    ) -> list[Any]:
         """Engine i's share `shards[i]`, as calls of `method` (one per microgroup or batch of evaluation
-        requests with `split`, else one per engine); the results in engine and request order."""
+        requests with `split`, else one per engine); the results in engine and request order. `on_result` gets
+        each call's result as it arrives (the rollout scores it while the rest generate)."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -385,6 +392,8 @@ class EngineSupervisor:
                 call = calls[k]
                 try:
                     results[k] = ray.get(ref)
+                    if on_result is not None:
+                        on_result(results[k])
                     continue
                 except RayActorError as exc:
                     i = call.engine

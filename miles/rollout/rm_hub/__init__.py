@@ -1,8 +1,9 @@
-"""Built-in reward models. `digit`: a digit classifier's p(label) for the embedded tiny-sd3 task.
-
-Also: `ocr` (RapidOCR, PP-OCRv4 ONNX, offline), `pickscore` (CLIP), `jpeg_compressibility` and
-`jpeg_incompressibility`. The entry point is `batched_async_rm(args, samples)` (`dispatch.py`); Ray
-actor pools for the model-backed rewards are in `pool.py` (`make_reward_pools`).
+"""Built-in reward models and their dispatch. The reward types are the table `miles.rewards.REWARD_TYPES`: `digit`
+(a digit classifier's p(label) for the embedded tiny-sd3 task), `ocr` (RapidOCR, PP-OCRv4 ONNX, offline),
+`pickscore`, `clip_score`, `aesthetic`, `hpsv2`, `image_reward` (local weights), `vlm_judge` (an OpenAI chat server),
+`jpeg_compressibility` / `jpeg_incompressibility`, and `remote_rm` (a `miles reward serve` service, `service/`).
+The entry point is `batched_async_rm(args, samples)` (`dispatch.py`); Ray actor pools for the model-backed rewards
+are in `pool.py` (`make_reward_pools`).
 
 Lightweight at import (no torch, Ray or model imports): the names below load their module on first use.
 """

@@ -4,12 +4,14 @@ Who scores what:
   * `--custom-rm-path`: `async def custom_rm(args, samples, **kwargs) -> list[float | dict]` gets the whole
     list and replaces the built-in dispatch (batched only: route per sample inside it if needed; a plain
     `def` works too). Extra `kwargs` of `batched_async_rm` are passed through.
-  * Otherwise each sample's reward type is `sample.metadata.get("rm_type") or args.rm_type`. Samples are
+  * Otherwise each sample's rewards are `sample.metadata.get("rm_type")` (one type), else the job's
+    (`miles.rewards.reward_components`: `--rm-type a,b` or `--reward-weights a=1,b=0.2`). Samples are
     grouped by type and every type scores its samples as one batch (all types concurrently), so a mixed
     microgroup still gets batched model calls. Types with a registered `RewardPool` (see `pool.py` and
-    `set_reward_pools`) score on their Ray actors; the rest score in this process, in a worker thread so
-    the event loop keeps running.
-  * `remote_rm` is not implemented (a `ConfigError` pointing to `--custom-rm-path` and `args.rm_url`);
+    `set_reward_pools`) score on their Ray actors; `remote_rm` through its HTTP client (`service/client.py`);
+    the rest in this process, in a worker thread so the event loop keeps running. Each type's scorer is
+    built from the reward table's `build` (`miles.rewards.REWARD_TYPES`).
+  * A multi-reward job's sample gets `reward = sum_k w_k * score_k` and `reward_components = {k: score_k}`;
     an unknown type is a `ConfigError` naming it and the sample.
 
 Rewards are floats for the built-ins; a custom reward may return dicts, which stay dicts in
@@ -37,6 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
+from miles.rewards import REWARD_TYPES, is_multi_reward, reward_components
+from miles.rollout.rm_hub.errors import RewardError, describe_sample, describe_samples
 from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:
@@ -46,29 +50,13 @@ Reward = float | dict[str, float]
 # scorer(images, prompts, metadata) -> one float per item
 Scorer = Callable[[Sequence[Any], Sequence[str], Sequence[Mapping[str, Any]]], Sequence[float]]
 
-BUILTIN_RM_TYPES = ("digit", "ocr", "pickscore", "jpeg_compressibility", "jpeg_incompressibility")
+BUILTIN_RM_TYPES = tuple(name for name, t in REWARD_TYPES.items() if t.build is not None)
 REMOTE_RM = "remote_rm"
-
-
-class RewardError(RuntimeError):
-    """A reward function failed; the message names the reward type and the sample(s)."""
 
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
     value = getattr(args, name, default)
     return default if value is None else value
-
-
-def describe_sample(index: int, prompt: str, limit: int = 80) -> str:
-    shown = prompt if len(prompt) <= limit else prompt[: limit - 3] + "..."
-    return f"sample {index} (prompt {shown!r})"
-
-
-def describe_samples(names: Sequence[str]) -> str:
-    if len(names) == 1:
-        return names[0]
-    head = ", ".join(names[:3])
-    return f"{len(names)} samples: {head}" + (", ..." if len(names) > 3 else "")
 
 
 # ---- settings and scorers ----------------------------------------------------------------------
@@ -81,6 +69,15 @@ class RewardSettings:
     pickscore_processor_path: str | None = None
     pickscore_batch_size: int = 8
     pickscore_num_frames: int | None = None
+    # every other flag of the Reward group, (dest, value) sorted: what the other scorers read (`get`)
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, dest: str, default: Any = None) -> Any:
+        """A reward flag's value (`--clip-score-model-path` -> `get("clip_score_model_path")`)."""
+        if dest in _FIELDS:
+            return getattr(self, dest)
+        value = dict(self.options).get(dest)
+        return default if value is None else value
 
     @classmethod
     def from_args(cls, args: Any) -> RewardSettings:
@@ -97,7 +94,39 @@ class RewardSettings:
             pickscore_processor_path=text("pickscore_processor_path"),
             pickscore_batch_size=int(_arg(args, "pickscore_batch_size", 8)),
             pickscore_num_frames=None if frames is None else int(frames),
+            options=_reward_options(args),
         )
+
+
+_FIELDS = (
+    "hf_checkpoint",
+    "pickscore_model_path",
+    "pickscore_processor_path",
+    "pickscore_batch_size",
+    "pickscore_num_frames",
+)
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _hashable(v)) for k, v in value.items()))
+    return value
+
+
+def _reward_options(args: Any) -> tuple[tuple[str, Any], ...]:
+    """The Reward group's flags other than the settings' own fields, as set on `args`."""
+    from miles.config.catalog.reward import FLAGS
+
+    out = []
+    for flag in FLAGS:
+        if flag.dest in _FIELDS:
+            continue
+        value = getattr(args, flag.dest, None)
+        if value is not None:
+            out.append((flag.dest, _hashable(value)))
+    return tuple(sorted(out))
 
 
 def _checkpoint_dir(args: Any) -> str | None:
@@ -108,14 +137,19 @@ def _checkpoint_dir(args: Any) -> str | None:
     return None if path is None else str(path)
 
 
-def _jpeg_scorer(negative: bool) -> Scorer:
-    from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility
+def jpeg_compressibility_scorer(settings: RewardSettings) -> Scorer:
+    from miles.rollout.rm_hub.jpeg import jpeg_compressibility
 
-    fn = jpeg_compressibility if negative else jpeg_incompressibility
-    return lambda images, prompts, metadata: fn(images)
+    return lambda images, prompts, metadata: jpeg_compressibility(images)
 
 
-def _ocr_scorer() -> Scorer:
+def jpeg_incompressibility_scorer(settings: RewardSettings) -> Scorer:
+    from miles.rollout.rm_hub.jpeg import jpeg_incompressibility
+
+    return lambda images, prompts, metadata: jpeg_incompressibility(images)
+
+
+def ocr_scorer(settings: RewardSettings) -> Scorer:
     from miles.rollout.rm_hub.ocr import load_ocr_engine
 
     engine = load_ocr_engine()
@@ -126,11 +160,12 @@ def check_settings(settings: RewardSettings, rm_type: str) -> None:
     """Fail early (ConfigError) on a reward type the settings cannot serve."""
     if rm_type not in BUILTIN_RM_TYPES:
         raise ConfigError(f"unknown reward type {rm_type!r}; built-in types: {', '.join(BUILTIN_RM_TYPES)}")
-    if rm_type == "pickscore" and (settings.pickscore_model_path is None or settings.pickscore_processor_path is None):
-        raise ConfigError("--rm-type pickscore requires --pickscore-model-path and --pickscore-processor-path")
+    missing = ["--" + d.replace("_", "-") for d in REWARD_TYPES[rm_type].required if settings.get(d) is None]
+    if missing:
+        raise ConfigError(f"--rm-type {rm_type} requires {' and '.join(missing)}")
 
 
-def _pickscore_scorer(settings: RewardSettings) -> Scorer:
+def pickscore_scorer(settings: RewardSettings) -> Scorer:
     from miles.rollout.rm_hub.pickscore import load_pickscore
 
     scorer = load_pickscore(
@@ -183,15 +218,32 @@ def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) 
     """What a built-in reward needs of a prompt line, checked without scoring (the preflight reads every line
     with it): ValueError, as the reward itself would raise it. The digit reward needs `metadata.label`, OCR a
     quoted target in the prompt; the others need nothing beyond the prompt."""
-    if rm_type == "digit":
+    needs = REWARD_TYPES[rm_type].needs if rm_type in REWARD_TYPES else None
+    if needs == "label":
         _digit_label(metadata)
-    elif rm_type == "ocr":
+    elif needs == "quoted":
         from miles.rollout.rm_hub.ocr import extract_target
 
         extract_target(prompt)
 
 
-def _digit_scorer(settings: RewardSettings) -> Scorer:
+def on_8_bits(image: Any) -> Any:
+    """A float image (or video) on the 8-bit grid: round(clip(x, 0, 1) * 255) / 255 in float32, the pixels a saved
+    PNG holds (uint8 images are read as uint8 / 255). The digit reward reads this, as the other built-ins read
+    8-bit images, so a reward service that receives PNGs scores exactly what the job would in-process."""
+    import numpy as np
+
+    if hasattr(image, "detach"):
+        image = image.detach().cpu()
+        image = image.float().numpy() if image.is_floating_point() else image.numpy()
+    arr = np.asarray(image)
+    if arr.dtype == np.uint8:
+        return arr.astype(np.float32) / np.float32(255.0)
+    levels = np.clip(np.round(arr.astype(np.float32) * np.float32(255.0)), 0, 255).astype(np.uint8)
+    return levels.astype(np.float32) / np.float32(255.0)
+
+
+def digit_scorer(settings: RewardSettings) -> Scorer:
     """The digit reward (`rm_hub.digit.digit_reward`): an image's probability of its label; a video's, the mean
     over its frames (`[3, F, H, W]` samples are read per frame)."""
     from miles.rollout.rm_hub.digit import digit_reward, load_digit_classifier
@@ -201,7 +253,7 @@ def _digit_scorer(settings: RewardSettings) -> Scorer:
 
     def score(images: Sequence[Any], prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[float]:
         labels = [_digit_label(m) for m in metadata]
-        return digit_reward(list(images), labels, classifier, value_range="0,1")
+        return digit_reward([on_8_bits(im) for im in images], labels, classifier, value_range="0,1")
 
     return score
 
@@ -209,17 +261,11 @@ def _digit_scorer(settings: RewardSettings) -> Scorer:
 def build_scorer(settings: RewardSettings, rm_type: str) -> Scorer:
     """The in-process scorer of a built-in reward type (models load once per process, cached)."""
     check_settings(settings, rm_type)
-    if rm_type == "jpeg_compressibility":
-        return _jpeg_scorer(negative=True)
-    if rm_type == "jpeg_incompressibility":
-        return _jpeg_scorer(negative=False)
-    if rm_type == "ocr":
-        return _ocr_scorer()
-    if rm_type == "pickscore":
-        return _pickscore_scorer(settings)
-    if rm_type == "digit":
-        return _digit_scorer(settings)
-    raise AssertionError(rm_type)
+    from miles.models.pipeline_config import import_dotted
+
+    build = REWARD_TYPES[rm_type].build
+    assert build is not None, rm_type
+    return import_dotted(build)(settings)
 
 
 def _as_reward_value(value: Any, rm_type: str, name: str) -> float:
@@ -292,23 +338,28 @@ def get_reward_pools() -> dict[str, Any]:
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
-def resolve_rm_type(args: Any, sample: Sample) -> str:
-    """`sample.metadata.get("rm_type") or args.rm_type`, validated."""
-    rm_type = (sample.metadata or {}).get("rm_type") or _arg(args, "rm_type")
+def sample_components(args: Any, sample: Sample) -> tuple[tuple[str, float], ...]:
+    """The rewards of one sample, ((type, weight), ...): `metadata.rm_type` (one type, weight 1) or the job's."""
+    override = (sample.metadata or {}).get("rm_type")
+    components = ((str(override), 1.0),) if override else reward_components(args)
     name = describe_sample(sample.index, sample.prompt)
-    if rm_type is None:
+    if not components:
         raise ConfigError(f"no reward type for {name}: set --rm-type, metadata.rm_type or --custom-rm-path")
-    if rm_type == REMOTE_RM:
-        raise ConfigError(
-            f"reward type 'remote_rm' ({name}) is not implemented by rm_hub: use --custom-rm-path with a "
-            "function that reads args.rm_url"
-        )
-    if rm_type not in BUILTIN_RM_TYPES:
-        raise ConfigError(
-            f"unknown reward type {rm_type!r} for {name}; built-in types: {', '.join(BUILTIN_RM_TYPES)} "
-            "(or use --custom-rm-path)"
-        )
-    return rm_type
+    for rm_type, _ in components:
+        if rm_type not in REWARD_TYPES:
+            raise ConfigError(
+                f"unknown reward type {rm_type!r} for {name}; reward types: {', '.join(REWARD_TYPES)} "
+                "(or use --custom-rm-path)"
+            )
+    return components
+
+
+def resolve_rm_type(args: Any, sample: Sample) -> str:
+    """The one reward type of a sample (ConfigError if the job combines several)."""
+    components = sample_components(args, sample)
+    if len(components) != 1:
+        raise ConfigError(f"{describe_sample(sample.index, sample.prompt)} is scored by several reward types")
+    return components[0][0]
 
 
 @functools.lru_cache(maxsize=8)
@@ -370,6 +421,12 @@ async def _score_type(
     prompts = [s.prompt for s in samples]
     metadata = [dict(s.metadata or {}) for s in samples]
     names = [describe_sample(s.index, s.prompt) for s in samples]
+    if rm_type == REMOTE_RM:
+        from miles.rollout.rm_hub.remote import client_for
+
+        client = await client_for(args)
+        values = await client.score(images, prompts, metadata, names)
+        return [_as_reward_value(v, rm_type, n) for v, n in zip(values, names, strict=True)]
     check_settings(settings, rm_type)
 
     def run() -> list[float]:  # in a worker thread: loading a model must not block the event loop either
@@ -384,6 +441,35 @@ async def _score_type(
     return await asyncio.to_thread(run)
 
 
+async def _score_components(
+    args: Any, samples: list[Sample], pools: Mapping[str, Any] | None
+) -> tuple[list[float], list[dict[str, float]]]:
+    """Every sample's reward (the weighted sum of its components) and its components, each type scored once."""
+    components = [sample_components(args, s) for s in samples]
+    by_type: dict[str, list[int]] = {}
+    for i, comps in enumerate(components):
+        for rm_type, _ in comps:
+            by_type.setdefault(rm_type, []).append(i)
+    settings = RewardSettings.from_args(args)
+    active = _ACTIVE_POOLS if pools is None else pools
+    results = await asyncio.gather(
+        *(_score_type(args, t, [samples[i] for i in idx], active, settings) for t, idx in by_type.items())
+    )
+    raw: list[dict[str, float]] = [{} for _ in samples]
+    for rm_type, idx, values in zip(by_type, by_type.values(), results, strict=True):
+        for i, value in zip(idx, values, strict=True):
+            raw[i][rm_type] = value
+    rewards = [combine(raw[i], comps) for i, comps in enumerate(components)]
+    return rewards, raw
+
+
+def combine(raw: Mapping[str, float], components: Sequence[tuple[str, float]]) -> float:
+    """sum_k w_k * raw_k, in the components' order (a single weight-1 component is its raw value, exactly)."""
+    if len(components) == 1 and components[0][1] == 1.0:
+        return float(raw[components[0][0]])
+    return float(math.fsum(weight * raw[name] for name, weight in components))
+
+
 async def batched_async_rm(
     args: Any, samples: Sequence[Sample], *, pools: Mapping[str, Any] | None = None, **kwargs: Any
 ) -> list[Reward]:
@@ -394,27 +480,26 @@ async def batched_async_rm(
     custom = _arg(args, "custom_rm_path")
     if custom is not None:
         return await _custom_rm(args, samples, str(custom), **kwargs)
-    by_type: dict[str, list[int]] = {}
-    for i, sample in enumerate(samples):
-        by_type.setdefault(resolve_rm_type(args, sample), []).append(i)
-    settings = RewardSettings.from_args(args)
-    active = _ACTIVE_POOLS if pools is None else pools
-    results = await asyncio.gather(
-        *(_score_type(args, t, [samples[i] for i in idx], active, settings) for t, idx in by_type.items())
-    )
-    rewards: list[Reward | None] = [None] * len(samples)
-    for idx, values in zip(by_type.values(), results, strict=True):
-        for i, value in zip(idx, values, strict=True):
-            rewards[i] = value
-    return rewards  # type: ignore[return-value]
+    rewards, _ = await _score_components(args, samples, pools)
+    return list(rewards)
 
 
 async def score_samples(args: Any, samples: Sequence[Sample], **kwargs: Any) -> list[Reward]:
-    """`batched_async_rm`, then store each reward in `sample.reward`."""
-    rewards = await batched_async_rm(args, samples, **kwargs)
-    for sample, reward in zip(samples, rewards, strict=True):
+    """`batched_async_rm`, then store each reward in `sample.reward` (and, in a multi-reward job, its components in
+    `sample.reward_components`)."""
+    samples = list(samples)
+    custom = _arg(args, "custom_rm_path")
+    if custom is not None or not samples:
+        rewards = await batched_async_rm(args, samples, **kwargs)
+        components: list[dict[str, float] | None] = [None] * len(samples)
+    else:
+        rewards, raw = await _score_components(args, samples, kwargs.get("pools"))
+        multi = is_multi_reward(args)
+        components = [dict(r) if multi or len(r) > 1 else None for r in raw]
+    for sample, reward, comps in zip(samples, rewards, components, strict=True):
         sample.reward = reward
-    return rewards
+        sample.reward_components = comps
+    return list(rewards)
 
 
 async def score_groups(args: Any, groups: Sequence[Sequence[Sample]], **kwargs: Any) -> list[list[Reward]]:

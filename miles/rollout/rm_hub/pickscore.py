@@ -23,28 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.jpeg import image_to_uint8
+from miles.rollout.rm_hub.clip_score import clip_cosines, frame_indices, sample_frames
+
+__all__ = ["PickScoreScorer", "frame_indices", "load_pickscore", "pickscore_reward"]
 
 PICKSCORE_SCALE = 26.0
-
-
-def _projected(output: Any) -> Any:
-    """transformers 5 returns a ModelOutput whose pooler_output is the projected embedding; 4.x a tensor."""
-    return output if hasattr(output, "norm") else output.pooler_output
-
-
-def frame_indices(num_available: int, num_frames: int | None) -> list[int]:
-    """`num_frames` uniformly spaced frame indices (all frames when None or when there are fewer)."""
-    if num_frames is None or num_frames >= num_available:
-        return list(range(num_available))
-    return [round(float(x)) for x in np.linspace(0, num_available - 1, num_frames)]
-
-
-def _frames(image: Any, num_frames: int | None) -> list[np.ndarray]:
-    shape = tuple(image.shape) if hasattr(image, "shape") else None
-    if shape is not None and len(shape) == 4:  # video (F, C, H, W)
-        return [image_to_uint8(image[i]) for i in frame_indices(shape[0], num_frames)]
-    return [image_to_uint8(image)]
 
 
 class PickScoreScorer:
@@ -70,26 +53,8 @@ class PickScoreScorer:
         self._lock = threading.Lock()
 
     def _score_chunk(self, images: list[np.ndarray], prompts: list[str]) -> list[float]:
-        import torch
-        from PIL import Image
-
-        tokenizer = self.processor.tokenizer
-        text = tokenizer(
-            prompts,
-            padding="max_length",
-            truncation=True,
-            max_length=tokenizer.model_max_length,
-            return_tensors="pt",
-        ).to(self.device)
-        pixels = self.processor.image_processor(
-            images=[Image.fromarray(im) for im in images], return_tensors="pt"
-        ).pixel_values.to(self.device, dtype=self.model.dtype)
-        with torch.no_grad():
-            text_emb = _projected(self.model.get_text_features(**text)).float()
-            image_emb = _projected(self.model.get_image_features(pixel_values=pixels)).float()
-            text_emb = text_emb / text_emb.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            image_emb = image_emb / image_emb.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            scores = self.model.logit_scale.float().exp() * (text_emb * image_emb).sum(dim=-1) / PICKSCORE_SCALE
+        cosines = clip_cosines(self.model, self.processor, self.device, images, prompts)
+        scores = self.model.logit_scale.float().exp() * cosines / PICKSCORE_SCALE
         return [float(s) for s in scores.cpu()]
 
     def score(self, images: Sequence[Any], prompts: Sequence[str]) -> list[float]:
@@ -99,7 +64,7 @@ class PickScoreScorer:
         flat_prompts: list[str] = []
         owner: list[int] = []
         for i, (image, prompt) in enumerate(zip(images, prompts, strict=True)):
-            frames = _frames(image, self.num_frames)
+            frames = sample_frames(image, self.num_frames)
             flat_images += frames
             flat_prompts += [prompt] * len(frames)
             owner += [i] * len(frames)

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
+from miles.rewards import REWARD_TYPES, reward_names
 from miles.rollout.rm_hub.dispatch import (
     RewardError,
     RewardSettings,
@@ -45,7 +46,7 @@ from miles.utils.actors import owned_remote, tag_for
 if TYPE_CHECKING:
     from miles.core.sample import Sample
 
-POOLED_RM_TYPES = ("ocr", "pickscore")  # the model-backed rewards get pools by default
+POOLED_RM_TYPES = tuple(name for name, t in REWARD_TYPES.items() if t.pooled)  # model-backed: pools by default
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_START_TIMEOUT_S = 300.0
 
@@ -73,7 +74,7 @@ class RewardWorker:
 
 
 def _default_num_workers(args: Any, rm_type: str) -> int:
-    flag = {"ocr": "ocr_num_workers", "pickscore": "pickscore_num_workers"}.get(rm_type)
+    flag = REWARD_TYPES[rm_type].workers_flag if rm_type in REWARD_TYPES else None
     value = getattr(args, flag, None) if flag else None
     return int(value) if value is not None else 1
 
@@ -140,8 +141,8 @@ class RewardPool:
         if self.num_workers < 1:
             raise ConfigError(f"a {rm_type!r} reward pool needs at least one worker, got {self.num_workers}")
         if num_gpus_per_worker is None:
-            num_gpus_per_worker = float(args.pickscore_num_gpus_per_worker or 0.0)
-            num_gpus_per_worker = num_gpus_per_worker if rm_type == "pickscore" else 0.0
+            gpu_flag = REWARD_TYPES[rm_type].gpu_flag
+            num_gpus_per_worker = float(getattr(args, gpu_flag, None) or 0.0) if gpu_flag else 0.0
         options = _worker_options(placement, rm_type, num_gpus_per_worker, num_cpus_per_worker, self.num_workers)
         self.num_workers = len(options)
         self.num_gpus_per_worker = float(options[0].get("num_gpus", 0.0))
@@ -254,11 +255,12 @@ def _cause(exc: BaseException) -> str:
 
 
 def reward_types_in_use(args: Any, metadata: Iterable[dict[str, Any]] = ()) -> list[str]:
-    """`--rm-type` plus every `metadata.rm_type` seen (sorted, deduplicated); none under --custom-rm-path."""
+    """The job's reward types plus every `metadata.rm_type` seen (sorted, deduplicated); none under
+    --custom-rm-path."""
     if args.custom_rm_path:
         return []
     types = {m.get("rm_type") for m in metadata if m}
-    types.add(args.rm_type)
+    types.update(reward_names(args))
     return sorted(t for t in types if t)
 
 

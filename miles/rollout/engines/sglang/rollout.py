@@ -68,6 +68,7 @@ class SglangRollout:
         from miles.utils.sglang_env import resolve_sglang_python
 
         self.args = args
+        self.generation_end: float | None = None  # when the last response of `run` was parsed
         python = resolve_sglang_python(args.sglang_python)
         if python is None:
             raise RolloutEngineError(
@@ -246,6 +247,7 @@ class SglangRollout:
     def run(self, requests: list[GenerateRequest], score: bool = True) -> list[Sample]:
         """Generate every request; with `score`, each microgroup's rewards are computed as it arrives."""
         self._raise_failures()
+        self.generation_end = None
         samples = asyncio.run(self._run(requests, score))
         self._raise_failures()
         return samples
@@ -270,6 +272,7 @@ class SglangRollout:
         parser = self.parsers[self._next_parser % len(self.parsers)]
         self._next_parser += 1
         samples = await parser.parse.remote(request, body)
+        self.generation_end = time.perf_counter()  # the last parsed response marks the end of generation
         if score and not self.args.group_rm and not request.evaluation:
             await score_samples(self.args, samples)
         return samples
