@@ -31,6 +31,23 @@ train_app = typer.Typer(help="Train a model: rl (Flow-GRPO / DiffusionNFT), sft,
 app.add_typer(train_app, name="train", rich_help_panel="Jobs")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from miles import __version__
+
+        print(f"miles {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the miles version and exit."
+    ),
+) -> None:
+    """Post-train diffusion models."""
+
+
 def _kw(name: str, annotation: Any, default: Any) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 

@@ -146,6 +146,23 @@ def test_inspect_config_shows_a_clip_score_job(tiny_clip: tuple[str, str], capsy
     assert "clip_score" in out and model_dir in out.replace("\n", "")
 
 
+@pytest.mark.parametrize("rm_type", ["aesthetic", "hpsv2", "image_reward", "vlm_judge"])
+def test_inspect_config_resolves_each_preference_job(
+    rm_type: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`inspect-config` (without --check) resolves and shows the job; the files are the preflight's business."""
+    from miles_cli.main import main
+
+    argv = ["inspect-config", "--recipe", "tiny-digits-grpo", "--rm-type", rm_type]
+    for dest, value in _missing_paths(tmp_path, rm_type).items():
+        argv += ["--" + dest.replace("_", "-"), value]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.replace("\n", "")
+    assert rm_type in out
+    for dest in REWARD_TYPES[rm_type].required:
+        assert "--" + dest.replace("_", "-") in out
+
+
 def test_dispatch_scores_clip_score_with_its_scorer_tiny_random_weights(tiny_clip: tuple[str, str]) -> None:
     from miles.rollout.rm_hub.clip_score import CLIP_SCORE_SCALE, load_clip_score
 
