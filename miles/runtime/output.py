@@ -132,6 +132,31 @@ def prepare_output_dir(resolved: ResolvedJob) -> Path:
     return out
 
 
+def export_due(args: Any, rollout_id: int, num_rollout: int) -> bool:
+    """`--export-interval N`: after every N-th rollout, and after the last."""
+    if not args.export_interval:
+        return False
+    return rollout_id == num_rollout - 1 or (rollout_id + 1) % args.export_interval == 0
+
+
+def export_at(args: Any, group: Any, trained: int) -> Path:
+    """The periodic export after `trained` rollouts: `<output-dir>/exports/rollout_<trained>/` holding `lora/`
+    (diffusers format, with --use-lora) and `pipeline/` (with --export-merged, or without LoRA), each written
+    atomically; then `exports/latest.txt` names it, so a killed export leaves the previous one the latest."""
+    exports = Path(args.output_dir) / "exports"
+    target = exports / f"rollout_{trained:06d}"
+    written = []
+    if args.use_lora:
+        group.call("export_lora", str(target / "lora"))
+        written.append("lora")
+    if args.export_merged or not args.use_lora:
+        group.call("export_pipeline", str(target / "pipeline"))
+        written.append("pipeline")
+    atomic_write_text(exports / "latest.txt", target.name + "\n")
+    print(f"miles: exported rollout {trained} ({' and '.join(written)}) to {target}")
+    return target
+
+
 def export_final(args: Any, group: Any, what: str = "trained") -> Path:
     """Rank 0 of `group` writes the trained pipeline to `<output-dir>/checkpoint` (loadable with
     `from_pretrained`); every training job ends with it."""

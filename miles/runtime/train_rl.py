@@ -16,7 +16,7 @@ from miles.io.dashboard import NullDashboard, open_dashboard
 from miles.io.loggers import MetricsLogger
 from miles.rollout.rollout_hooks import log_eval, log_rollout
 from miles.runtime.ci_check import ci_check
-from miles.runtime.output import export_final
+from miles.runtime.output import export_at, export_due, export_final
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
 
@@ -83,6 +83,9 @@ def run(resolved: ResolvedJob) -> int:
                 if save_due(args, rollout_id, num_rollout) or (guard is not None and guard.ended and args.save):
                     with dash.span("save", rollout_id=rollout_id), phases.trainers_awake():
                         save(args, manager, group, rollout_id, guard)
+                if export_due(args, rollout_id, num_rollout) and not (guard is not None and guard.ended):
+                    with dash.span("export", rollout_id=rollout_id), phases.trainers_awake():
+                        export_at(args, group, rollout_id + 1)
                 if guard is not None and guard.ended:  # stop / rollback after this rollout trained
                     end = rollout_id + 1
                     break
@@ -133,6 +136,8 @@ def run_from_files(resolved: ResolvedJob, args: Any) -> int:
                 advance(logger.log(rollout_id, metrics))
                 if save_due(args, rollout_id, num_rollout):
                     save(args, None, group, rollout_id)
+                if export_due(args, rollout_id, num_rollout):
+                    export_at(args, group, rollout_id + 1)
         export_final(args, group)
         logger.close()
         dash.close()

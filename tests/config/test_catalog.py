@@ -278,6 +278,8 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--vlm-judge-max-score": (FLOAT, 5.0),
     "--vlm-judge-num-frames": (INT, None),
     "--vlm-judge-max-concurrency": (INT, 8),
+    "--export-interval": (INT, None),
+    "--export-merged": (BOOL, False),
     "--teacher-checkpoint": (PATH, None),
     "--dmd2-student-timesteps": (INT_LIST, [999, 749, 499, 249]),
     "--dmd2-real-guidance-scale": (FLOAT, None),

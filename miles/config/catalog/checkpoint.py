@@ -16,4 +16,21 @@ FLAGS: list[Flag] = [
     _f("ckpt-step", INT, None, "Checkpoint step to load; default: latest_checkpointed_iteration.txt.", min=0),
     _f("no-load-optim", BOOL, False, "Do not restore optimizer state when loading."),
     _f("no-load-rng", BOOL, False, "Do not restore RNG state when loading."),
+    _f(
+        "export-interval",
+        INT,
+        None,
+        "Export every N rollouts (and at the end) to <output-dir>/exports/rollout_<n>/, each written atomically: the "
+        "LoRA adapter in diffusers format (lora/, with --use-lora) and the merged pipeline (pipeline/, with "
+        "--export-merged or without LoRA); exports/latest.txt names the newest complete one.",
+        min=1,
+        jobs=frozenset({"rl"}),
+    ),
+    _f(
+        "export-merged",
+        BOOL,
+        False,
+        "With --export-interval and --use-lora: also write the merged pipeline beside each adapter.",
+        jobs=frozenset({"rl"}),
+    ),
 ]

@@ -57,4 +57,13 @@ def check_ci(res: Resolution, job: JobSpec) -> None:
         res.fail(f"{res.show('ci_test')}: `miles {job.command}` runs no CI metric check (jobs: {', '.join(CI_JOBS)})")
 
 
-RULES = (check_precision, check_lora, check_env_vars, check_ci)
+def check_exports(res: Resolution, job: JobSpec) -> None:
+    if res["export_merged"] and res["export_interval"] is None:
+        res.fail(f"{res.show('export_merged')} sets what the periodic exports hold: it needs --export-interval N")
+    if res["export_merged"] and not res["use_lora"]:
+        res.fail(
+            f"{res.show('export_merged')}: without --use-lora every export is the merged pipeline already; drop it"
+        )
+
+
+RULES = (check_precision, check_lora, check_env_vars, check_ci, check_exports)
