@@ -133,18 +133,19 @@ def prepare_output_dir(resolved: ResolvedJob) -> Path:
 
 
 def export_due(args: Any, rollout_id: int, num_rollout: int) -> bool:
-    """`--export-interval N`: after every N-th rollout, and after the last."""
+    """`--export-interval N`: after every N-th rollout (iteration of `train sft`), and after the last."""
     if not args.export_interval:
         return False
     return rollout_id == num_rollout - 1 or (rollout_id + 1) % args.export_interval == 0
 
 
-def export_at(args: Any, group: Any, trained: int) -> Path:
-    """The periodic export after `trained` rollouts: `<output-dir>/exports/rollout_<trained>/` holding `lora/`
+def export_at(args: Any, group: Any, trained: int, unit: str = "rollout") -> Path:
+    """The periodic export after `trained` rollouts (`unit` "iter": SFT iterations):
+    `<output-dir>/exports/<unit>_<trained>/` holding `lora/`
     (diffusers format, with --use-lora) and `pipeline/` (with --export-merged, or without LoRA), each written
     atomically; then `exports/latest.txt` names it, so a killed export leaves the previous one the latest."""
     exports = Path(args.output_dir) / "exports"
-    target = exports / f"rollout_{trained:06d}"
+    target = exports / f"{unit}_{trained:06d}"
     written = []
     if args.use_lora:
         group.call("export_lora", str(target / "lora"))
@@ -153,7 +154,7 @@ def export_at(args: Any, group: Any, trained: int) -> Path:
         group.call("export_pipeline", str(target / "pipeline"))
         written.append("pipeline")
     atomic_write_text(exports / "latest.txt", target.name + "\n")
-    print(f"miles: exported rollout {trained} ({' and '.join(written)}) to {target}")
+    print(f"miles: exported {unit} {trained} ({' and '.join(written)}) to {target}")
     return target
 
 

@@ -28,7 +28,7 @@ from miles.core.errors import ConfigError
 from miles.io.dashboard import open_dashboard
 from miles.io.loggers import MetricsLogger
 from miles.runtime.ci_check import ci_check
-from miles.runtime.output import export_final
+from miles.runtime.output import export_at, export_due, export_final
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
 from miles.runtime.train_rl import eval_due, has_eval_data, save_due, train_metrics
@@ -121,6 +121,9 @@ def run(resolved: ResolvedJob) -> int:
                 if save_due(args, it, num_iters):
                     with dash.span("save", rollout_id=it):
                         save(args, group, it, sampler, generator)
+                if export_due(args, it, num_iters):
+                    with dash.span("export", rollout_id=it):
+                        export_at(args, group, it + 1, unit="iter")
         if has_eval_data(args) and args.eval_interval and first < num_iters:
             logger.log(num_iters, evaluator(num_iters))
         logger.close()

@@ -1,5 +1,5 @@
 """The periodic-export flags' rules: `--export-merged` needs `--export-interval` and `--use-lora`, and both flags
-belong to `train rl` (refused for the other jobs)."""
+belong to `train rl` and `train sft` (refused for the other jobs)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ JOB = {
     [
         ("rl", {"export_merged": True, "use_lora": True}, "--export-merged .* needs --export-interval N"),
         ("rl", {"export_merged": True, "export_interval": 2}, "without --use-lora every export is the merged"),
-        ("sft", {"export_interval": 2}, "--export-interval"),
+        ("dmd2", {"export_interval": 2}, "--export-interval"),
     ],
 )
 def test_export_flags_are_refused_where_they_mean_nothing(job: str, cli: dict, message: str) -> None:
-    base = JOB if job == "rl" else {"hf_checkpoint": "tiny-sd3", "prompt_data": "digits:train"}
+    base = JOB if job == "rl" else {"hf_checkpoint": "tiny-sd3", "teacher_checkpoint": "tiny-sd3"}
     with pytest.raises(ConfigError, match=message):
         resolve(job, cli={**base, **cli})
 

@@ -106,10 +106,15 @@ def test_replay_trains_on_a_saved_rollout_without_engines(diffusers_rollouts, tm
 def test_train_sft_then_eval_of_its_checkpoint(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "sft"
     argv = ["train", "sft", "--recipe", "tiny-digits-sft", "--hf-checkpoint", str(tiny_sd3_dir)]
-    assert main([*argv, "--num-rollout", "20", "--output-dir", str(out)]) == 0
+    assert main([*argv, "--num-rollout", "20", "--export-interval", "15", "--output-dir", str(out)]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 20 and rows[-1]["train/loss"] < rows[0]["train/loss"]
     assert (out / "checkpoint" / "transformer").is_dir()
+    # --export-interval 15: after iteration 15 and after the last (20), the merged pipeline (no LoRA)
+    exports = out / "exports"
+    assert sorted(p.name for p in exports.iterdir()) == ["iter_000015", "iter_000020", "latest.txt"]
+    assert (exports / "latest.txt").read_text().strip() == "iter_000020"
+    assert (exports / "iter_000015" / "pipeline" / "transformer").is_dir()
     ev = tmp_path / "eval"
     test_prompts = tmp_path / "few.jsonl"
     test_prompts.write_text(
