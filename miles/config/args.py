@@ -66,6 +66,10 @@ class Args:
     def __repr__(self) -> str:
         return f"Args(job={self.job!r}, {len(self._values)} values)"
 
+    def __copy__(self) -> Args:
+        """A copy whose values can be set without touching this one's (the values themselves are shared)."""
+        return Args(self._values, self._sources, self.job, self.trainer_overrides)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Args:
         return Args(
             copy.deepcopy(self._values, memo),

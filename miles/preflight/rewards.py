@@ -4,6 +4,7 @@ a service that is not up yet is a warning (the job waits for it, up to --rm-faul
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import TYPE_CHECKING
 
@@ -24,8 +25,9 @@ def check_remote_reward(resolved: ResolvedJob) -> list[str]:
     from miles.rollout.rm_hub.remote import check_remote
 
     probe = args
-    if args.use_fault_tolerance:  # one quick look: the job itself waits for the service
-        probe = _Quick(args)
+    if args.use_fault_tolerance:  # one quick look, no retry and no wait: the job itself waits for the service
+        probe = copy.copy(args)
+        probe.use_fault_tolerance, probe.rm_retries = False, 0
     try:
         check_remote(probe)
     except ConfigError as exc:
@@ -36,15 +38,3 @@ def check_remote_reward(resolved: ResolvedJob) -> list[str]:
             return []
         return [str(exc)]
     return []
-
-
-class _Quick:
-    """The job's args, with no retry and no waiting: the preflight only looks."""
-
-    def __init__(self, args: object) -> None:
-        self._args = args
-        self.use_fault_tolerance = False
-        self.rm_retries = 0
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._args, name)

@@ -374,9 +374,12 @@ class RolloutManager:
         shards: list[list[GenerateRequest]] = [[] for _ in self.engines]
         for i, request in enumerate(requests):
             shards[i % len(self.engines)].append(request)
-        stream = score and not self.args.group_rm
+        if not score or self.args.group_rm:  # nothing to score while generating
+            samples = self._generate(shards, None)
+            self.generation_end = time.perf_counter()
+            return samples
         with StreamingScorer(self.args) as scorer:
-            samples = self._generate(shards, scorer.submit if stream else None)
+            samples = self._generate(shards, scorer.submit)
             self.generation_end = time.perf_counter()  # the scoring of the last microgroups may go on
         return samples
 

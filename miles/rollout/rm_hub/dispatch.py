@@ -174,10 +174,10 @@ def pickscore_scorer(settings: RewardSettings) -> Scorer:
         settings.pickscore_batch_size,
         settings.pickscore_num_frames,
     )
-    return lambda images, prompts, metadata: scorer.score([_frames_first(im) for im in images], prompts)
+    return lambda images, prompts, metadata: scorer.score([frames_first(im) for im in images], prompts)
 
 
-def _frames_first(image: Any) -> Any:
+def frames_first(image: Any) -> Any:
     """A video sample `[3, F, H, W]` -> `[F, 3, H, W]`, the layout the PickScore scorer reads frames from (it
     scores `--pickscore-num-frames` evenly spaced frames and averages them); images pass through."""
     shape = getattr(image, "shape", ())

@@ -17,21 +17,21 @@ scores are averaged (`--pickscore-num-frames`).
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.clip_score import clip_cosines, frame_indices, sample_frames
+from miles.rollout.rm_hub.clip_score import ChunkedFrameScorer, clip_cosines, frame_indices, resolve_device
 
 __all__ = ["PickScoreScorer", "frame_indices", "load_pickscore", "pickscore_reward"]
 
 PICKSCORE_SCALE = 26.0
 
 
-class PickScoreScorer:
-    """A CLIP model and processor, scoring (image, prompt) pairs. Calls are serialized by a lock."""
+class PickScoreScorer(ChunkedFrameScorer):
+    """A CLIP model and processor, scoring (image, prompt) pairs: frames flattened, forwards in chunks of
+    `batch_size` under a lock, averaged back per sample (`ChunkedFrameScorer`)."""
 
     def __init__(
         self,
@@ -41,43 +41,18 @@ class PickScoreScorer:
         num_frames: int | None = None,
         device: str | None = None,
     ) -> None:
-        import torch
         from transformers import CLIPModel, CLIPProcessor
 
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        super().__init__(batch_size, num_frames)
+        self.device = resolve_device(device)
         self.processor = CLIPProcessor.from_pretrained(str(processor_path))
         self.model = CLIPModel.from_pretrained(str(model_path)).eval().to(self.device)
         self.model.requires_grad_(False)
-        self.batch_size = int(batch_size)
-        self.num_frames = num_frames
-        self._lock = threading.Lock()
 
     def _score_chunk(self, images: list[np.ndarray], prompts: list[str]) -> list[float]:
         cosines = clip_cosines(self.model, self.processor, self.device, images, prompts)
         scores = self.model.logit_scale.float().exp() * cosines / PICKSCORE_SCALE
         return [float(s) for s in scores.cpu()]
-
-    def score(self, images: Sequence[Any], prompts: Sequence[str]) -> list[float]:
-        if len(images) != len(prompts):
-            raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
-        flat_images: list[np.ndarray] = []
-        flat_prompts: list[str] = []
-        owner: list[int] = []
-        for i, (image, prompt) in enumerate(zip(images, prompts, strict=True)):
-            frames = sample_frames(image, self.num_frames)
-            flat_images += frames
-            flat_prompts += [prompt] * len(frames)
-            owner += [i] * len(frames)
-        flat: list[float] = []
-        with self._lock:
-            for start in range(0, len(flat_images), self.batch_size):
-                stop = start + self.batch_size
-                flat += self._score_chunk(flat_images[start:stop], flat_prompts[start:stop])
-        totals = np.zeros(len(images))
-        counts = np.zeros(len(images))
-        np.add.at(totals, owner, flat)
-        np.add.at(counts, owner, 1)
-        return [float(t / c) for t, c in zip(totals, counts, strict=True)]
 
 
 @functools.lru_cache(maxsize=2)

@@ -11,16 +11,13 @@ if TYPE_CHECKING:
     from miles.rollout.rm_hub.dispatch import RewardSettings, Scorer
 
 
-def _frames_first(image: Any) -> Any:
-    """A video sample `[3, F, H, W]` -> `[F, 3, H, W]`, the layout the model scorers read frames from."""
-    from miles.rollout.rm_hub.dispatch import _frames_first as frames_first
-
-    return frames_first(image)
-
-
 def _wrap(model: Any) -> Scorer:
+    """The model's `score(images, prompts)` as a dispatch scorer; a video sample `[3, F, H, W]` goes in frames
+    first, the layout the model scorers read frames from."""
+    from miles.rollout.rm_hub.dispatch import frames_first
+
     def score(images: Sequence[Any], prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[float]:
-        return model.score([_frames_first(im) for im in images], list(prompts))
+        return model.score([frames_first(im) for im in images], list(prompts))
 
     score.device = getattr(model, "device", "cpu")  # type: ignore[attr-defined]
     return score
