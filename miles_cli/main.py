@@ -370,6 +370,16 @@ def _add_dashboard() -> None:
 _add_dashboard()
 
 
+def _add_export() -> None:
+    """`miles export CHECKPOINT_DIR` (torch is imported only when the export runs)."""
+    from miles_cli.export_cmd import export
+
+    app.command("export", rich_help_panel="Tools")(export)
+
+
+_add_export()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: one line per user mistake, exit 2 for usage errors, 3 when the runtime is missing."""
     from typer import exceptions as typer_exc

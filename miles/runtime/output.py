@@ -122,10 +122,17 @@ def _describe_holder(fd: int) -> str:
 
 def prepare_output_dir(resolved: ResolvedJob) -> Path:
     """Take the job lock of `--output-dir` (ConfigError if another job holds it), then write `config.yaml`
-    (re-runnable via --custom-config-path) and `config.json`. The lock lives until the process exits."""
+    (re-runnable via --custom-config-path; a training job with --save also writes it into that folder) and
+    `config.json`. The lock lives until the process exits."""
     out = Path(resolved.args.output_dir)
     lock_output_dir(out)
-    atomic_write_text(out / "config.yaml", to_yaml_text(resolved.args))
+    config = to_yaml_text(resolved.args)
+    atomic_write_text(out / "config.yaml", config)
+    if resolved.args.save and resolved.spec.name in ("rl", "sft", "dmd2"):
+        # the checkpoints carry the config that rebuilds their model (`miles export CHECKPOINT_DIR`)
+        save = Path(str(resolved.args.save)).expanduser()
+        save.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(save / "config.yaml", config)
     atomic_write_text(
         out / "config.json", json.dumps(to_json_dict(resolved.spec.name, resolved.trainer_args), indent=2)
     )

@@ -9,7 +9,6 @@ pipeline's. Written atomically.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +38,8 @@ def export_pipeline(args: Any, family: Any, state: dict[str, torch.Tensor], out_
 
     base = local_pipeline_dir(input_path(args, args.hf_checkpoint))
     out = Path(out_dir)
-    if out.exists():
-        shutil.rmtree(out)
     parts = family.split_denoiser_state(state)  # {subfolder: its state}: one transformer, or the trained experts
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, replace=True) as tmp:
         if base is not None:
             for entry in base.iterdir():
                 if entry.name not in parts:
@@ -79,11 +76,9 @@ def export_lora(args: Any, family: Any, state: dict[str, torch.Tensor], out_dir:
         "init_lora_weights": True,
     }
     out = Path(out_dir)
-    if out.exists():
-        shutil.rmtree(out)
     parts = family.split_denoiser_state(layers) if family.experts else {"": layers}
     pipeline_class = family.load_pipeline_class()
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, replace=True) as tmp:
         for subfolder, part in parts.items():
             where = tmp / subfolder if subfolder else tmp
             if hasattr(pipeline_class, "save_lora_weights"):

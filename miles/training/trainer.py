@@ -290,10 +290,12 @@ class Trainer:
         return extra
 
     def export_lora(self, out_dir: str) -> str | None:
-        """Rank 0 writes the LoRA adapter in diffusers format (all ranks gather)."""
+        """Rank 0 writes the LoRA adapter in diffusers format (all ranks gather): the weights the engines serve
+        (EMA under --ema-rollout-policy ema), so the adapter on its base is the exported pipeline."""
         from miles.training.export import export_lora
 
-        state = full_state_dict(self.model)
+        with self._served():
+            state = full_state_dict(self.model)
         if self.rank != 0:
             return None
         return str(export_lora(self.args, self.family, state, out_dir))

@@ -46,11 +46,13 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
+def atomic_directory(final: Path, *, replace: bool = False) -> Iterator[Path]:
     """Yield a fresh temp dir next to `final`; on success rename it to `final`, on error delete it.
 
-    `final` must not exist (or be an empty directory) when the block ends; an interrupted build
-    never leaves a half-written `final` behind, only a `.<name>.tmp-*` sibling that is removed.
+    `final` must not exist (or be an empty directory) when the block ends, unless `replace`: then an existing
+    `final` is swapped out only once the new one is whole (and deleted after), so a write killed at any point
+    leaves either the old folder or the new one, never neither. An interrupted build never leaves a half-written
+    `final` behind, only a `.<name>.tmp-*` sibling that is removed.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +61,13 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         yield tmp
         if final.exists() and final.is_dir() and not any(final.iterdir()):
             final.rmdir()
-        os.rename(tmp, final)
+        if replace and final.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, trash / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

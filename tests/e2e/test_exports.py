@@ -1,6 +1,8 @@
 """Periodic exports (`--export-interval`, `--export-merged`): a real `train rl` with LoRA on tiny-sd3 (the CLI in a
 subprocess, a real local Ray), each export loaded in a fresh process with plain diffusers, and an export killed
-half-way (a failure injected into the real writer) leaving the previous one the latest, intact."""
+half-way (a failure injected into the real writer) leaving the previous one the latest, intact. `miles export` on
+the run's `--save` folder writes the same files as the periodic export of the same rollout, to the bit, and
+re-exporting over an export killed half-way leaves the previous files until the new ones are whole."""
 
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def run(tiny_sd3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("exports") / "run"
     argv = [*CLI, "train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir), *SMALL]
     argv += ["--num-rollout", "2", "--use-lora", "--lora-rank", "4", "--lora-alpha", "4", "--lr", "1e-2"]
-    argv += ["--export-interval", "1", "--export-merged", "--output-dir", str(out)]
+    argv += ["--export-interval", "1", "--export-merged", "--output-dir", str(out), "--save", str(out / "ckpt")]
+    argv += ["--save-interval", "1"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert f"miles: exported rollout 2 (lora and pipeline) to {out / 'exports' / 'rollout_000002'}" in done.stdout
@@ -103,3 +106,67 @@ def test_a_killed_export_leaves_the_previous_one_the_latest(
     assert not [p for p in (exports / "rollout_000003").iterdir() if p.name.startswith(".")]
     assert (exports / "latest.txt").read_text().strip() == "rollout_000002"
     assert before == {p: p.read_bytes() for p in (exports / "rollout_000002").rglob("*") if p.is_file()}
+
+
+def _same_files(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys() and all(x[k].equal(y[k]) for k in x), (a, b)
+
+
+def test_miles_export_of_the_checkpoint_is_the_periodic_export(run: Path, capsys: pytest.CaptureFixture) -> None:
+    from miles_cli.main import main
+
+    ckpt = run / "ckpt"
+    assert (ckpt / "config.yaml").is_file()  # the job wrote its config beside its checkpoints
+    assert main(["export", str(ckpt), "--merged"]) == 0
+    said = capsys.readouterr().out
+    assert f"with the config {ckpt / 'config.yaml'}" in said and "exported step 1 (live weights)" in said
+    mine, theirs = ckpt / "exports" / "iter_0000001", run / "exports" / "rollout_000002"
+    adapter = Path("lora") / "pytorch_lora_weights.safetensors"
+    _same_files(mine / adapter, theirs / adapter)
+    weights = Path("transformer") / "diffusion_pytorch_model.safetensors"
+    _same_files(mine / "pipeline" / weights, theirs / "pipeline" / weights)
+    # a step and a folder of one's own; without --merged, only the adapter
+    assert main(["export", str(ckpt), "--ckpt-step", "0", "--out", str(run / "mine")]) == 0
+    assert sorted(p.name for p in (run / "mine").iterdir()) == ["lora"]
+    _same_files(
+        run / "mine" / "lora" / "pytorch_lora_weights.safetensors",
+        run / "exports" / "rollout_000001" / "lora" / "pytorch_lora_weights.safetensors",
+    )
+
+
+def test_miles_export_refuses_a_config_that_does_not_describe_the_checkpoint(
+    run: Path, tiny_sd3_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from miles_cli.main import main
+
+    # the recipe trains the full model: the checkpoint's LoRA tensors have no place in it
+    argv = ["export", str(run / "ckpt"), "--config", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "have no place in the model the config describes" in err[0], err
+    assert "--use-lora" in err[0]
+    assert main(["export", str(run / "ckpt"), "--weights", "ema"]) == 2  # trained without --use-ema
+    assert "has no ema.pt" in capsys.readouterr().err
+
+
+def test_a_killed_re_export_keeps_the_previous_files(
+    run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from diffusers import StableDiffusion3Pipeline
+
+    from miles_cli.main import main
+
+    target = run / "again"
+    assert main(["export", str(run / "ckpt"), "--out", str(target)]) == 0
+    before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+
+    def dies_half_way(where, **kwargs):
+        raise KeyboardInterrupt("killed during the export")
+
+    monkeypatch.setattr(StableDiffusion3Pipeline, "save_lora_weights", staticmethod(dies_half_way))
+    assert main(["export", str(run / "ckpt"), "--out", str(target)]) == 130  # `miles: interrupted`
+    assert before == {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    assert not [p for p in target.iterdir() if p.name.startswith(".")]

@@ -1,0 +1,126 @@
+"""`miles export CHECKPOINT_DIR`: turn a saved checkpoint into a LoRA adapter and/or a merged pipeline.
+
+    miles export runs/grpo/ckpt                         # the latest checkpoint; config: runs/grpo/ckpt/config.yaml
+    miles export runs/grpo/ckpt --ckpt-step 40 --merged --out exports/grpo-40
+    miles export old/ckpt --config runs/grpo/config.yaml --hf-checkpoint /models/sd35m
+
+Torch-free at import; the model is built only when the export runs (`miles.training.export_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from miles.core.errors import ConfigError
+
+CONFIG_FILE = "config.yaml"
+
+
+def find_config(ckpt_dir: Path, given: str | None) -> str:
+    """The job config an export rebuilds the model from: `--config`, else the `config.yaml` a training job writes
+    into its `--save` folder, else the one beside it (a run's output dir holding `best/` or `ckpt/`)."""
+    if given:
+        return given
+    for folder in (ckpt_dir, ckpt_dir.parent):
+        if (folder / CONFIG_FILE).is_file():
+            return str(folder / CONFIG_FILE)
+    raise ConfigError(
+        f"{ckpt_dir}: no {CONFIG_FILE} here or in its parent to say which model the checkpoint trains; give the "
+        "job's config with --config FILE.yaml (the run's output dir has one) or a recipe name"
+    )
+
+
+def export(
+    checkpoint_dir: Annotated[
+        str, typer.Argument(metavar="CHECKPOINT_DIR", help="A --save folder of a training job.")
+    ],
+    ckpt_step: Annotated[
+        Optional[int],  # noqa: UP045 - Typer reads the annotation at run time
+        typer.Option("--ckpt-step", min=0, help="The checkpoint step; default: the latest complete one."),
+    ] = None,
+    config: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            "--config",
+            metavar="FILE.yaml|RECIPE",
+            help="The job's config (its run's config.yaml, or a recipe); default: CHECKPOINT_DIR/config.yaml, "
+            "written by every training job with --save.",
+        ),
+    ] = None,
+    hf_checkpoint: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--hf-checkpoint", metavar="PATH", help="The base model, where it is on this machine."),
+    ] = None,
+    merged: Annotated[
+        bool, typer.Option("--merged", help="Also write the merged pipeline beside the LoRA adapter.")
+    ] = False,
+    weights: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            "--weights",
+            metavar="live|ema",
+            help="The live weights or the EMA copy (ema.pt); default: what the job's engines served "
+            "(--ema-rollout-policy).",
+        ),
+    ] = None,
+    out: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--out", metavar="DIR", help="Where to write; default: CHECKPOINT_DIR/exports/iter_<step>/."),
+    ] = None,
+) -> None:
+    """Turn a saved checkpoint into a LoRA adapter (diffusers format) and/or a merged pipeline."""
+    from miles.config.resolve import TRAINING_JOBS, resolve
+    from miles.training.checkpoint_index import find_loadable_checkpoint
+
+    ckpt = Path(checkpoint_dir)
+    if not ckpt.is_dir():
+        raise ConfigError(f"{ckpt}: no such checkpoint folder")
+    with _named(ckpt):  # a missing or damaged checkpoint: one line, now
+        find_loadable_checkpoint(ckpt, ckpt_step, verify="size")
+    source = find_config(ckpt, config)
+    cli = {"hf_checkpoint": hf_checkpoint} if hf_checkpoint else {}
+    resolved = resolve(None, cli=cli, recipe=source)
+    job = resolved.spec.name
+    if job not in TRAINING_JOBS:
+        raise ConfigError(f"{source}: a `miles {resolved.spec.command}` config; an export needs a training job's")
+    if job == "dmd2" and ckpt.name == "critic":
+        raise ConfigError(f"{ckpt}: the DMD2 critic (fake score); the student's checkpoints are in {ckpt.parent}")
+    args = resolved.trainer_args["actor"]
+    chosen = weights or args.ema_rollout_policy
+    if merged and not args.use_lora:
+        print("miles: note: a full fine-tune exports the merged pipeline anyway; --merged changes nothing")
+    _check_base(args)
+    print(f"miles: exporting {ckpt} with the config {source}", flush=True)
+    from miles.training.export_checkpoint import export_checkpoint
+
+    with _named(ckpt):
+        result = export_checkpoint(args, ckpt, ckpt_step=ckpt_step, out=out, merged=merged, weights=chosen)
+    for warning in result.warnings:
+        print(f"miles: warning: {warning}")
+    shown = " and ".join(f"{name} ({path})" for name, path in result.parts.items())
+    print(f"miles: exported step {result.step} ({chosen} weights): {shown}")
+
+
+@contextlib.contextmanager
+def _named(ckpt: Path) -> Iterator[None]:
+    """The checkpoint readers speak of `--load DIR`; here the folder is CHECKPOINT_DIR."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(f"--load {ckpt}", str(ckpt))) from None
+
+
+def _check_base(args: Any) -> None:
+    from miles.core.inputs import input_path
+    from miles.training.export import local_pipeline_dir
+
+    base = input_path(args, args.hf_checkpoint)
+    if base is None or local_pipeline_dir(base) is None:
+        raise ConfigError(
+            f"--hf-checkpoint {args.hf_checkpoint}: the base model is not on this machine (give --hf-checkpoint PATH)"
+        )
