@@ -1,6 +1,7 @@
 """The documentation: the generated CLI reference matches the schema, every page is in the site's nav, and every
-command the README and the getting-started page show resolves (`inspect-config`: its flags are valid and its
-recipe exists). The site itself is built with `mkdocs build --strict` in `.ci/run`."""
+command the README and the docs pages show in a bash block resolves (`inspect-config`: its flags are valid and its
+recipe exists; `inspect-config` and `plan` lines themselves run as shown). The site itself is built with
+`mkdocs build --strict` in `.ci/run`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from miles.config.reference import PAGE, render
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-JOB_COMMANDS = ("train", "eval", "rollout-only")
+JOB_COMMANDS = ("train", "eval", "rollout-only", "replay")
+CONFIG_COMMANDS = ("inspect-config", "plan")
+# the pages whose bash blocks are checked: the README and every docs page but the generated reference
+SHOWN_PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.rglob("*.md") if p.parent.name != "reference")]
 
 
 def test_the_cli_reference_page_is_the_schema() -> None:
@@ -49,22 +53,38 @@ def test_every_docs_page_is_in_the_nav_and_every_nav_entry_exists() -> None:
 
 
 def shown_commands() -> list[tuple[str, list[str]]]:
-    """Every `miles <job> ...` line in a bash block of the README and the getting-started page."""
+    """Every `miles <job> ...`, `miles inspect-config ...` and `miles plan ...` line in a bash block of the README
+    and the docs pages (a shell redirection ends the command)."""
     found = []
-    for path in (ROOT / "README.md", DOCS / "getting-started.md"):
+    for path in SHOWN_PAGES:
         for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.DOTALL):
-            for line in block.splitlines():
+            for line in block.replace("\\\n", " ").splitlines():
                 line = line.split("#", 1)[0].strip()
                 for part in (p.strip() for p in line.split("&&")):
                     words = shlex.split(part) if part.startswith("miles ") else []
-                    if len(words) > 1 and words[1] in JOB_COMMANDS:
-                        found.append((path.name, words))
+                    words = words[: words.index(">")] if ">" in words else words
+                    if len(words) > 1 and words[1] in JOB_COMMANDS + CONFIG_COMMANDS:
+                        found.append((str(path.relative_to(ROOT)), words))
     return found
 
 
 def test_the_shown_commands_are_found() -> None:
-    commands = [" ".join(words[:3]) for _, words in shown_commands()]
-    assert "miles train sft" in commands and "miles train rl" in commands and "miles eval --recipe" in commands
+    readme = [" ".join(words[:3]) for page, words in shown_commands() if page == "README.md"]
+    assert "miles train sft" in readme and "miles train rl" in readme and "miles eval --recipe" in readme
+    assert "miles inspect-config --recipe" in readme
+    pages = {page for page, _ in shown_commands()}
+    assert {f"docs/jobs/{name}.md" for name in ("train-rl", "train-sft", "train-dmd2", "eval", "replay")} <= pages
+
+
+def _inspect_args(words: list[str]) -> list[str]:
+    """The `inspect-config` arguments that resolve the shown command: a job's flags under its `--job`; an
+    `inspect-config` or `plan` line as shown, but for `--check` (the preflight needs the built-in data built)."""
+    if words[1] in CONFIG_COMMANDS:
+        return [w for w in words[1:] if w != "--check"]
+    if words[1] == "replay":  # miles replay ROLLOUT.pt FLAGS: the file is --load-debug-rollout-data
+        return ["inspect-config", "--job", "replay", "--load-debug-rollout-data", words[2], *words[3:]]
+    job, rest = (words[2], words[3:]) if words[1] == "train" else (words[1], words[2:])
+    return ["inspect-config", "--job", job, *rest]
 
 
 @pytest.mark.parametrize(("page", "words"), shown_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
@@ -76,19 +96,20 @@ def test_each_shown_command_resolves(
     from miles_cli.main import main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     for i, word in enumerate(words[:-1]):
         if word == "--hf-checkpoint" and words[i + 1].startswith("runs/"):
             folder = tmp_path / words[i + 1]
             folder.mkdir(parents=True)
             (folder / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
 
-    job, rest = (words[2], words[3:]) if words[1] == "train" else (words[1], words[2:])
-    if "--recipe" not in rest:
+    if "--recipe" not in words:
         pytest.fail(f"{page}: `{' '.join(words)}` names no recipe")
-    code = main(["inspect-config", "--job", job, *rest])
+    code = main(_inspect_args(words))
     out = capsys.readouterr()
     assert code == 0, f"{page}: `{' '.join(words)}` does not resolve: {out.err[-500:]}"
-    assert f"miles {'train ' + job if words[1] == 'train' else job} (recipe " in out.out
+    if words[1] in JOB_COMMANDS:
+        assert f"miles {'train ' + words[2] if words[1] == 'train' else words[1]} (recipe " in out.out
 
 
 def test_version(capsys: pytest.CaptureFixture) -> None:
