@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from miles.core.errors import ConfigError
 from miles.io.loggers import MetricsLogger
 from miles.runtime.ci_check import ci_check
-from miles.runtime.output import export_final
+from miles.runtime.output import export_at, export_due, export_final
 from miles.runtime.phases import Phases
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
@@ -103,6 +103,9 @@ def run(resolved: ResolvedJob) -> int:
                 if save_due(args, it, num_rollout):
                     with phases.trainers_awake():
                         save(args, manager, critic, actor, it)
+                if export_due(args, it, num_rollout):  # the student's weights
+                    with phases.trainers_awake():
+                        export_at(args, actor, it + 1, unit="iter")
         if has_eval_data(args) and start < num_rollout:
             final = final_eval(args, manager, out)
             logger.log(num_rollout, final)

@@ -1,5 +1,5 @@
 """The periodic-export flags' rules: `--export-merged` needs `--export-interval` and `--use-lora`, and both flags
-belong to `train rl` and `train sft` (refused for the other jobs)."""
+belong to the training jobs (refused for the others)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ JOB = {
     [
         ("rl", {"export_merged": True, "use_lora": True}, "--export-merged .* needs --export-interval N"),
         ("rl", {"export_merged": True, "export_interval": 2}, "without --use-lora every export is the merged"),
-        ("dmd2", {"export_interval": 2}, "--export-interval"),
+        ("eval", {"export_interval": 2}, "--export-interval"),
     ],
 )
 def test_export_flags_are_refused_where_they_mean_nothing(job: str, cli: dict, message: str) -> None:
-    base = JOB if job == "rl" else {"hf_checkpoint": "tiny-sd3", "teacher_checkpoint": "tiny-sd3"}
+    base = JOB if job == "rl" else {"hf_checkpoint": "tiny-sd3", "eval_prompt_data": ["digits=digits:test"]}
     with pytest.raises(ConfigError, match=message):
         resolve(job, cli={**base, **cli})
 
@@ -37,3 +37,8 @@ def test_export_flags_are_refused_where_they_mean_nothing(job: str, cli: dict, m
 def test_export_interval_resolves_for_train_rl() -> None:
     args = resolve("rl", cli={**JOB, "export_interval": 5, "export_merged": True, "use_lora": True}).args
     assert args.export_interval == 5 and args.export_merged
+
+
+def test_export_interval_resolves_for_train_dmd2() -> None:
+    cli = {"hf_checkpoint": "tiny-sd3", "teacher_checkpoint": "tiny-sd3", "export_interval": 2}
+    assert resolve("dmd2", cli=cli, recipe="tiny-digits-4step").args.export_interval == 2

@@ -24,7 +24,7 @@ def test_train_dmd2_tiny_recipe_writes_metrics_eval_grid_and_checkpoint(tiny_sd3
     small += ["--global-batch-size", "4", "--eval-prompt-data", "digits", str(prompts)]
     small += ["--n-samples-per-eval-prompt", "2"]
     save = tmp_path / "ckpt"
-    assert main([*argv, *small, "--output-dir", str(out), "--save", str(save)]) == 0
+    assert main([*argv, *small, "--output-dir", str(out), "--save", str(save), "--export-interval", "2"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3]
     assert "train/loss" in rows[0] and "train/loss" not in rows[1] and "train/loss" in rows[2]  # TTUR 2
@@ -37,6 +37,17 @@ def test_train_dmd2_tiny_recipe_writes_metrics_eval_grid_and_checkpoint(tiny_sd3
         assert final[f"eval/{variant}/num_samples"] == 12
     assert (out / "dmd2_grid.png").is_file()
     assert (out / "checkpoint" / "transformer").is_dir()
+    # the student's periodic exports (after iteration 2 and the last) and `miles export` of its last checkpoint
+    exports = out / "exports"
+    assert sorted(p.name for p in exports.iterdir()) == ["iter_000002", "iter_000003", "latest.txt"]
+    from safetensors.torch import load_file
+
+    weights = Path("pipeline") / "transformer" / "diffusion_pytorch_model.safetensors"  # a full fine-tune
+    assert main(["export", str(save)]) == 0
+    mine, theirs = load_file(save / "exports" / "iter_0000002" / weights), load_file(exports / "iter_000003" / weights)
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+    final = load_file(out / "checkpoint" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(final[k].equal(theirs[k]) for k in final)
 
     # resume: both groups come back from --load (the critic from <load>/critic) and the run goes on at 3
     assert (save / "critic").is_dir()

@@ -20,18 +20,18 @@ FLAGS: list[Flag] = [
         "export-interval",
         INT,
         None,
-        "Export every N rollouts (iterations in train sft) and at the end to <output-dir>/exports/rollout_<n>/ "
-        "(iter_<n>/), each part written atomically: the "
+        "Export every N rollouts (iterations in train sft and train dmd2) and at the end to "
+        "<output-dir>/exports/rollout_<n>/ (iter_<n>/), each part written atomically: the "
         "LoRA adapter in diffusers format (lora/, with --use-lora) and the merged pipeline (pipeline/, with "
         "--export-merged or without LoRA); exports/latest.txt names the newest complete one.",
         min=1,
-        jobs=frozenset({"rl", "sft"}),
+        jobs=frozenset({"rl", "sft", "dmd2"}),
     ),
     _f(
         "export-merged",
         BOOL,
         False,
         "With --export-interval and --use-lora: also write the merged pipeline beside each adapter.",
-        jobs=frozenset({"rl", "sft"}),
+        jobs=frozenset({"rl", "sft", "dmd2"}),
     ),
 ]
