@@ -3,6 +3,7 @@
     miles export runs/grpo/ckpt                         # the latest checkpoint; config: runs/grpo/ckpt/config.yaml
     miles export runs/grpo/ckpt --ckpt-step 40 --merged --out exports/grpo-40
     miles export old/ckpt --config runs/grpo/config.yaml --hf-checkpoint /models/sd35m
+    miles export runs/wan/ckpt --comfyui                # also comfyui/wan2_2_<expert>_lora.safetensors
 
 Torch-free at import; the model is built only when the export runs (`miles.training.export_checkpoint`).
 """
@@ -59,6 +60,14 @@ def export(
     merged: Annotated[
         bool, typer.Option("--merged", help="Also write the merged pipeline beside the LoRA adapter.")
     ] = False,
+    comfyui: Annotated[
+        bool,
+        typer.Option(
+            "--comfyui",
+            help="Also write the adapter as ComfyUI loads it (comfyui/<family>_lora.safetensors: its module names, "
+            "an alpha per module); sd3, flux, qwen_image, wan2_2 (one file per expert) and ltx.",
+        ),
+    ] = False,
     weights: Annotated[
         Optional[str],  # noqa: UP045
         typer.Option(
@@ -99,7 +108,9 @@ def export(
     from miles.training.export_checkpoint import export_checkpoint
 
     with _named(ckpt):
-        result = export_checkpoint(args, ckpt, ckpt_step=ckpt_step, out=out, merged=merged, weights=chosen)
+        result = export_checkpoint(
+            args, ckpt, ckpt_step=ckpt_step, out=out, merged=merged, weights=chosen, comfyui=comfyui
+        )
     for warning in result.warnings:
         print(f"miles: warning: {warning}")
     shown = " and ".join(f"{name} ({path})" for name, path in result.parts.items())

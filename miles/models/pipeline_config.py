@@ -113,6 +113,17 @@ class TrainPipelineConfig(SglangAdapter):
     # the engine's and the trainer's forward alike); any other group is refused (miles.config.rules.engines)
     patch_groups: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
+    # ComfyUI loads this family's LoRA files (`miles export --comfyui`) under the module names `comfyui_lora_module`
+    # gives; where it cannot, `comfyui_lora` is False and `comfyui_lora_missing` says why
+    comfyui_lora: ClassVar[bool] = True
+    comfyui_lora_missing: ClassVar[str] = ""
+
+    def comfyui_lora_module(self, module: str) -> str:
+        """ComfyUI's name for a LoRA-wrapped module given by diffusers' adapter name (`transformer.transformer_blocks.
+        0.attn.to_q`). By default the diffusers name itself, which ComfyUI maps for MMDiT (SD3), Flux and
+        Qwen-Image; a family whose ComfyUI model uses the original checkpoint's names overrides this."""
+        return module
+
     # ---- lazy class access -------------------------------------------------------------------
     def load_pipeline_class(self) -> type:
         return import_dotted(self.pipeline_class)

@@ -4,8 +4,9 @@ Per family: a real rollout and one LoRA training step (the rollout manager and t
 family tests run them), a checkpoint saved by the trainer into a `--save` folder whose `config.yaml` the job's own
 output code wrote, and the trained weights synced into the engine the job evaluates with. The engine then runs the
 job's evaluation request (`build_requests(..., evaluation=True)`: ODE, the eval seeds). `miles export` turns the
-checkpoint into the adapter and the merged pipeline, and a fresh process that imports only diffusers and torch
-loads each (`from_pretrained`, `load_lora_weights`) and renders the same prompt and seeds: both match the engine's
+checkpoint into the adapter, the merged pipeline and the ComfyUI file, and a fresh process that imports only
+diffusers and torch loads each (`from_pretrained`, `load_lora_weights`; for Wan2.2 the ComfyUI files too, through
+diffusers' reader of the original Wan LoRA names) and renders the same prompt and seeds: each matches the engine's
 samples to 1e-5. Wan2.2 renders with the Euler scheduler the rollouts use (the hub ships UniPC).
 """
 
@@ -63,7 +64,14 @@ else:  # one adapter per trained expert, diffusers' Wan convention
     adapter.load_lora_weights(f"{export}/lora/transformer")
     adapter.load_lora_weights(f"{export}/lora/transformer_2", load_into_transformer_2=True)
 merged = Pipeline.from_pretrained(f"{export}/pipeline")
-torch.save({"lora": render(adapter).float(), "merged": render(merged).float()}, out)
+rendered = {"lora": render(adapter).float(), "merged": render(merged).float()}
+if family == "wan2_2":  # the ComfyUI files (original Wan names), read back by diffusers' converter of that format
+    comfy = Pipeline.from_pretrained(base)
+    comfy.load_lora_weights(f"{export}/comfyui", weight_name="wan2_2_transformer_lora.safetensors")
+    comfy.load_lora_weights(f"{export}/comfyui", weight_name="wan2_2_transformer_2_lora.safetensors",
+                            load_into_transformer_2=True)
+    rendered["comfyui"] = render(comfy).float()
+torch.save(rendered, out)
 """
 
 
@@ -108,7 +116,7 @@ def test_an_exported_checkpoint_reproduces_the_trainers_eval_samples(
         release_output_dir(run)
     ours = torch.stack([s.image for s in samples]).float()
 
-    assert main(["export", str(save), "--merged"]) == 0
+    assert main(["export", str(save), "--merged", "--comfyui"]) == 0
     exported = save / "exports" / "iter_0000000"
     assert (exported / "pipeline" / "model_index.json").exists()
     spec = {
@@ -128,7 +136,8 @@ def test_an_exported_checkpoint_reproduces_the_trainers_eval_samples(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rendered = torch.load(out)
-    for kind in ("lora", "merged"):
+    assert (exported / "comfyui").is_dir()
+    for kind in rendered:
         assert rendered[kind].shape == ours.shape, (kind, rendered[kind].shape, ours.shape)
         diff = (rendered[kind] - ours).abs().max().item()
         assert diff <= 1e-5, (family, kind, diff)

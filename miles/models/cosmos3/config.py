@@ -44,6 +44,8 @@ class Cosmos3TrainPipelineConfig(TrainPipelineConfig):
     pipeline_class = "diffusers.Cosmos3OmniPipeline"
     transformer_class = "diffusers.Cosmos3OmniTransformer"
     lora_target_modules = COSMOS3_LORA_TARGET_MODULES
+    comfyui_lora = False
+    comfyui_lora_missing = "ComfyUI's core has no Cosmos3 model (only custom nodes load it)"
     condition_inputs = ("text_ids", "text_mask", "fps")
     cfg_batching = False  # one packed sample per forward (the reference asserts it off)
     input_dtype_policy = MappingProxyType({"latents": None, "cond": None, "timestep": "fp32"})

@@ -81,6 +81,10 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
     isolate_modalities: bool = False  # --rollout-patch-group ltx (`bind_args`)
     fps: float = DEFAULT_FPS  # --diffusion-fps (`bind_args`): the audio length, so the latent's shape, follow it
 
+    def comfyui_lora_module(self, module: str) -> str:
+        """ComfyUI's LTX models keep diffusers' names inside the blocks, under `diffusion_model.`."""
+        return "diffusion_model." + module.removeprefix("transformer.")
+
     # ---- run settings and checkpoint constants ---------------------------------------------------
     def bind_args(self, args: Any) -> None:
         self.isolate_modalities = _has_patch_group(args.rollout_patch_group)

@@ -27,6 +27,18 @@ _ATTN = tuple(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "
 WAN_LORA_TARGET_MODULES: tuple[str, ...] = (*_ATTN, "ffn.net.0.proj", "ffn.net.2")
 
 
+# diffusers' Wan block modules -> the original checkpoint's, which ComfyUI's Wan model uses (the inverse of
+# diffusers' `_convert_non_diffusers_wan_lora_to_diffusers`)
+_COMFYUI_BLOCK_MODULES = {
+    **{f"attn1.{d}": f"self_attn.{o}" for d, o in zip(("to_q", "to_k", "to_v", "to_out.0"), "qkvo", strict=True)},
+    **{f"attn2.{d}": f"cross_attn.{o}" for d, o in zip(("to_q", "to_k", "to_v", "to_out.0"), "qkvo", strict=True)},
+    "attn2.add_k_proj": "cross_attn.k_img",
+    "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2",
+}
+
+
 @register_train_pipeline_config("wan2_2")
 class Wan22TrainPipelineConfig(TrainPipelineConfig):
     description = "Wan2.2 text-to-video (two experts: transformer for high noise, transformer_2 for low noise)"
@@ -44,6 +56,14 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
     max_sequence_length = 512
     trainable = True
     sglang_model_id = "Wan2.2-T2V-A14B-Diffusers"
+
+    def comfyui_lora_module(self, module: str) -> str:
+        """`transformer.blocks.3.attn1.to_q` -> `diffusion_model.blocks.3.self_attn.q` (one file per expert)."""
+        parts = module.split(".", 3)  # transformer, blocks, 3, attn1.to_q
+        inner = _COMFYUI_BLOCK_MODULES.get(parts[3]) if len(parts) == 4 and parts[1] == "blocks" else None
+        if inner is None:
+            raise ValueError(f"{module}: no ComfyUI name for this Wan module (only the blocks' attention and FFN)")
+        return f"diffusion_model.blocks.{parts[2]}.{inner}"
 
     # ---- schedule: Euler on the checkpoint's shifted grid --------------------------------------------
     def schedule(
