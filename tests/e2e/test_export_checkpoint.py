@@ -101,6 +101,7 @@ def test_an_exported_checkpoint_reproduces_the_trainers_eval_samples(
     resolved = resolve("rl", cli=cli, recipe=recipe)
     args = resolved.trainer_args["actor"]
     prepare_output_dir(resolved)  # as the job does: it also writes <save>/config.yaml
+    owns_process_group = not torch.distributed.is_initialized()
     try:
         manager = RolloutManager(args)
         trainer = Trainer(args, master_port=_free_port())
@@ -114,6 +115,8 @@ def test_an_exported_checkpoint_reproduces_the_trainers_eval_samples(
         samples = manager.run_requests([eval_request])
     finally:
         release_output_dir(run)
+        if owns_process_group and torch.distributed.is_initialized():  # the later tests set up their own
+            torch.distributed.destroy_process_group()
     ours = torch.stack([s.image for s in samples]).float()
 
     assert main(["export", str(save), "--merged", "--comfyui"]) == 0

@@ -71,7 +71,12 @@ def test_sft_resume_is_bit_identical_with_eval_and_ci_check(
     assert [r["rollout_id"] for r in straight if "eval/few/accuracy" in r] == [0, 2, 4]
     assert "train/loss" not in straight[4]  # the final eval has a row of its own
     assert (tmp_path / "straight" / "images" / "eval_few_2.png").is_file()
-    assert [p.name for p in sorted(ck_straight.iterdir())] == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    # the job's config beside its checkpoints (for `miles export`), the last checkpoint and the pointer
+    assert [p.name for p in sorted(ck_straight.iterdir())] == [
+        "config.yaml",
+        "iter_0000003",
+        "latest_checkpointed_iteration.txt",
+    ]
 
     # 2 iterations, saved every one; --skip-eval-before-train: evals at 1 and at the end (2). The CI check fails
     # (exit 1, one line) after everything was written.
