@@ -10,8 +10,6 @@ Torch-free at import; the model is built only when the export runs (`miles.train
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -87,10 +85,7 @@ def export(
     from miles.training.checkpoint_index import find_loadable_checkpoint
 
     ckpt = Path(checkpoint_dir)
-    if not ckpt.is_dir():
-        raise ConfigError(f"{ckpt}: no such checkpoint folder")
-    with _named(ckpt):  # a missing or damaged checkpoint: one line, now
-        find_loadable_checkpoint(ckpt, ckpt_step, verify="size")
+    find_loadable_checkpoint(ckpt, ckpt_step, verify="size", where=str(ckpt))  # missing or damaged: one line, now
     source = find_config(ckpt, config)
     cli = {"hf_checkpoint": hf_checkpoint} if hf_checkpoint else {}
     resolved = resolve(None, cli=cli, recipe=source)
@@ -101,29 +96,17 @@ def export(
         raise ConfigError(f"{ckpt}: the DMD2 critic (fake score); the student's checkpoints are in {ckpt.parent}")
     args = resolved.trainer_args["actor"]
     chosen = weights or args.ema_rollout_policy
-    if merged and not args.use_lora:
-        print("miles: note: a full fine-tune exports the merged pipeline anyway; --merged changes nothing")
     _check_base(args)
     print(f"miles: exporting {ckpt} with the config {source}", flush=True)
     from miles.training.export_checkpoint import export_checkpoint
 
-    with _named(ckpt):
-        result = export_checkpoint(
-            args, ckpt, ckpt_step=ckpt_step, out=out, merged=merged, weights=chosen, comfyui=comfyui
-        )
+    result = export_checkpoint(
+        args, ckpt, ckpt_step=ckpt_step, out=out, merged=merged, weights=chosen, comfyui=comfyui
+    )
     for warning in result.warnings:
         print(f"miles: warning: {warning}")
     shown = " and ".join(f"{name} ({path})" for name, path in result.parts.items())
     print(f"miles: exported step {result.step} ({chosen} weights): {shown}")
-
-
-@contextlib.contextmanager
-def _named(ckpt: Path) -> Iterator[None]:
-    """The checkpoint readers speak of `--load DIR`; here the folder is CHECKPOINT_DIR."""
-    try:
-        yield
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace(f"--load {ckpt}", str(ckpt))) from None
 
 
 def _check_base(args: Any) -> None:

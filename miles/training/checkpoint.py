@@ -41,6 +41,7 @@ from miles.training.checkpoint_index import (
     iter_dir_name,
     read_latest_step,
     resolve_checkpoint_dir,
+    where_named,
     write_manifest,
 )
 from miles.utils.atomic import atomic_write_text
@@ -160,6 +161,7 @@ def read_checkpoint(
     *,
     map_location: Any = "cpu",
     weights_only: bool = True,
+    where: str | None = None,
 ) -> tuple[LoadChoice, dict[str, Any]]:
     """(the checkpoint chosen, with its warnings; {name: object}).
 
@@ -167,8 +169,9 @@ def read_checkpoint(
     the manifest's size and checksum before it is read. `parts` picks files by name (ConfigError if one is absent,
     e.g. optimizer.pt after `--no-save-optim`); None reads them all. `.json` files are parsed as JSON, the rest go
     through torch.load (weights_only by default: tensors, containers and plain values, which is all this package
-    saves). A file that does not load (a checkpoint saved before manifests, damaged) is a ConfigError naming it."""
-    choice = find_loadable_checkpoint(load_dir, ckpt_step, verify="full")
+    saves). A file that does not load (a checkpoint saved before manifests, damaged) is a ConfigError naming it.
+    `where`: how messages name the folder (default `--load DIR`)."""
+    choice = find_loadable_checkpoint(load_dir, ckpt_step, verify="full", where=where)
     folder = choice.path
     if parts is None:
         names = sorted(entry.name for entry in folder.iterdir() if entry.is_file() and entry.name != MANIFEST_FILE)
@@ -191,8 +194,9 @@ def read_checkpoint(
                 loaded[name] = torch.load(path, map_location=map_location, weights_only=weights_only)
         except Exception as exc:  # any failure to read a part is one line naming the file
             raise ConfigError(
-                f"--load {load_dir}: cannot read {folder.name}/{name} ({_one_line(exc)}); the file is damaged "
-                f"or not a miles checkpoint part (available steps: {', '.join(map(str, available_steps(load_dir)))})"
+                f"{where_named(load_dir, where)}: cannot read {folder.name}/{name} ({_one_line(exc)}); the file is "
+                "damaged or not a miles checkpoint part "
+                f"(available steps: {', '.join(map(str, available_steps(load_dir)))})"
             ) from None
     return choice, loaded
 

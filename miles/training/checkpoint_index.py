@@ -58,8 +58,14 @@ def available_steps(ckpt_dir: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
-def read_latest_step(load_dir: str | os.PathLike) -> int | None:
-    """The step in `latest_checkpointed_iteration.txt`, or None when the file is absent."""
+def where_named(load_dir: str | os.PathLike, where: str | None) -> str:
+    """How messages name the folder: `--load DIR` for a job; a command reading a folder given otherwise says so."""
+    return where if where is not None else f"--load {load_dir}"
+
+
+def read_latest_step(load_dir: str | os.PathLike, *, where: str | None = None) -> int | None:
+    """The step in `latest_checkpointed_iteration.txt`, or None when the file is absent (`where`: how messages name
+    the folder, default `--load DIR`)."""
     pointer = Path(load_dir) / LATEST_FILE
     if not pointer.is_file():
         return None
@@ -67,37 +73,42 @@ def read_latest_step(load_dir: str | os.PathLike) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise ConfigError(f"--load {load_dir}: {LATEST_FILE} holds {text[:40]!r}, not a step number") from None
+        raise ConfigError(
+            f"{where_named(load_dir, where)}: {LATEST_FILE} holds {text[:40]!r}, not a step number"
+        ) from None
 
 
 def _show_steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
 
-def resolve_checkpoint_dir(load_dir: str | os.PathLike, ckpt_step: int | None = None) -> tuple[int, Path]:
+def resolve_checkpoint_dir(
+    load_dir: str | os.PathLike, ckpt_step: int | None = None, *, where: str | None = None
+) -> tuple[int, Path]:
     """(step, folder) of the checkpoint that `--load`/`--ckpt-step` name (not verified); ConfigError if none."""
     root = Path(load_dir)
+    named = where_named(root, where)
     if not root.is_dir():
-        raise ConfigError(f"--load {root}: no such checkpoint directory")
+        raise ConfigError(f"{named}: no such checkpoint directory")
     steps = available_steps(root)
     if ckpt_step is None:
-        step = read_latest_step(root)
+        step = read_latest_step(root, where=where)
         if step is None:
             raise ConfigError(
-                f"--load {root}: no {LATEST_FILE} (not a checkpoint directory, or no save finished); "
+                f"{named}: no {LATEST_FILE} (not a checkpoint directory, or no save finished); "
                 f"pass --ckpt-step to pick one (available steps: {_show_steps(steps)})"
             )
         folder = root / iter_dir_name(step)
         if not folder.is_dir():
             raise ConfigError(
-                f"--load {root}: {LATEST_FILE} names step {step} but {folder.name} is missing; "
+                f"{named}: {LATEST_FILE} names step {step} but {folder.name} is missing; "
                 f"pass --ckpt-step (available steps: {_show_steps(steps)})"
             )
         return step, folder
     folder = root / iter_dir_name(ckpt_step)
     if not folder.is_dir():
         raise ConfigError(
-            f"--ckpt-step {ckpt_step}: no {folder.name} under --load {root} (available steps: {_show_steps(steps)})"
+            f"--ckpt-step {ckpt_step}: no {folder.name} under {named} (available steps: {_show_steps(steps)})"
         )
     return ckpt_step, folder
 
@@ -223,14 +234,14 @@ def _file_problem(folder: Path, name: str, entry: dict[str, Any], full: bool) ->
 
 
 def find_loadable_checkpoint(
-    load_dir: str | os.PathLike, ckpt_step: int | None = None, verify: Verify = "size"
+    load_dir: str | os.PathLike, ckpt_step: int | None = None, verify: Verify = "size", *, where: str | None = None
 ) -> LoadChoice:
     """The checkpoint `--load load_dir` (and `--ckpt-step`) resumes from, verified against its manifest.
 
     With `ckpt_step` a damaged checkpoint is refused. Without it the latest one is taken if it is whole; else the
     newest earlier whole one, with a warning naming the damaged files; ConfigError naming every damaged file if
-    none is whole."""
-    step, folder = resolve_checkpoint_dir(load_dir, ckpt_step)
+    none is whole. `where`: how messages name the folder (default `--load DIR`)."""
+    step, folder = resolve_checkpoint_dir(load_dir, ckpt_step, where=where)
     problems = checkpoint_problems(folder, verify)
     if not problems:
         return LoadChoice(step, folder)
@@ -245,11 +256,12 @@ def find_loadable_checkpoint(
         found = checkpoint_problems(candidate, verify)
         if not found:
             warning = (
-                f"--load {load_dir}: {'; '.join(damaged)}; loading {candidate.name}, the newest complete checkpoint"
+                f"{where_named(load_dir, where)}: {'; '.join(damaged)}; loading {candidate.name}, the newest complete "
+                "checkpoint"
             )
             return LoadChoice(earlier, candidate, [warning])
         damaged.extend(found)
-    raise ConfigError(f"--load {load_dir}: no complete checkpoint: {'; '.join(damaged)}")
+    raise ConfigError(f"{where_named(load_dir, where)}: no complete checkpoint: {'; '.join(damaged)}")
 
 
 def common_step(load_dirs: Iterable[str | os.PathLike], ckpt_step: int | None = None) -> int | None:

@@ -32,28 +32,26 @@ class CheckpointExport:
 
 
 def trained_state(
-    args: Any, ckpt_dir: str | os.PathLike, ckpt_step: int | None, weights: str
-) -> tuple[int, Any, dict[str, torch.Tensor], list[str]]:
-    """(step, family, the full state of the trained denoiser with its LoRA layers under peft's names, the warnings
-    about damaged checkpoints passed over).
+    args: Any, family: Any, ckpt_dir: str | os.PathLike, ckpt_step: int | None, weights: str
+) -> tuple[int, dict[str, torch.Tensor], list[str]]:
+    """(step, the full state of the trained denoiser with its LoRA layers under peft's names, the warnings about
+    damaged checkpoints passed over).
 
     `weights` "ema" puts the EMA shadow (`ema.pt`) in place of the live weights, as `--ema-rollout-policy ema` does
     for what the engines serve."""
     from miles.training.checkpoint import read_checkpoint
-    from miles.training.model import apply_lora, family_of, full_state_dict, load_transformer
+    from miles.training.model import apply_lora, full_state_dict, load_transformer
 
-    if weights not in WEIGHTS:
-        raise ConfigError(f"--weights {weights}: expected live or ema")
     names = ["model.pt", "ema.pt"] if weights == "ema" else ["model.pt"]
+    where = str(ckpt_dir)
     try:
-        choice, parts = read_checkpoint(ckpt_dir, ckpt_step, names)
+        choice, parts = read_checkpoint(ckpt_dir, ckpt_step, names, where=where)
     except ConfigError as exc:
         if weights == "ema" and "ema.pt" in str(exc):
             raise ConfigError(
                 f"--weights ema: checkpoint {ckpt_dir} has no ema.pt (the job did not train with --use-ema)"
             ) from None
         raise
-    family = family_of(args)
     torch.manual_seed(args.seed)
     model = load_transformer(args, family)
     if args.use_lora:
@@ -61,7 +59,7 @@ def trained_state(
     _load_into(model, parts["model.pt"], args, choice.path)
     if weights == "ema":
         _copy_ema(model, parts["ema.pt"], choice.path)
-    return choice.step, family, full_state_dict(model), choice.warnings
+    return choice.step, full_state_dict(model), choice.warnings
 
 
 def _load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], args: Any, where: Path) -> None:
@@ -119,13 +117,16 @@ def export_checkpoint(
     from miles.training.export import export_lora, export_pipeline
     from miles.training.model import family_of, merged_base_state_dict
 
-    if comfyui:
-        family = family_of(args)
-        if not args.use_lora:
-            raise ConfigError("--comfyui writes a LoRA file: this job trained the full model (export --merged)")
-        if not family.comfyui_lora:
-            raise ConfigError(f"--comfyui: {family.comfyui_lora_missing}; use the diffusers adapter (lora/)")
-    step, family, state, warnings = trained_state(args, ckpt_dir, ckpt_step, weights)
+    if weights not in WEIGHTS:
+        raise ConfigError(f"--weights {weights}: expected live or ema")
+    if merged and not args.use_lora:
+        raise ConfigError("--merged: this job trained the full model, whose export is the merged pipeline already")
+    family = family_of(args)
+    if comfyui and not args.use_lora:
+        raise ConfigError("--comfyui writes a LoRA file: this job trained the full model (its export is the pipeline)")
+    if comfyui and not family.comfyui_lora:
+        raise ConfigError(f"--comfyui: {family.comfyui_lora_missing}; use the diffusers adapter (lora/)")
+    step, state, warnings = trained_state(args, family, ckpt_dir, ckpt_step, weights)
     target = Path(out) if out is not None else Path(ckpt_dir) / "exports" / f"iter_{step:07d}"
     result = CheckpointExport(step=step, out=target, warnings=list(warnings))
     if args.use_lora:

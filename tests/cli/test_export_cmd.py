@@ -35,7 +35,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
 
 def test_no_such_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     line = _refused(["export", str(tmp_path / "nope")], capsys)
-    assert "no such checkpoint folder" in line
+    assert "no such checkpoint directory" in line
 
 
 def test_a_folder_without_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -76,3 +76,18 @@ def test_a_base_model_that_is_not_here(tmp_path: Path, capsys: pytest.CaptureFix
     _config(ckpt, "sft", "tiny-digits-sft", hf_checkpoint=str(tmp_path / "stable-diffusion-3.5-medium"))
     line = _refused(["export", str(ckpt)], capsys)
     assert "the base model is not on this machine" in line and "--hf-checkpoint" in line
+
+
+def test_options_that_mean_nothing_for_this_checkpoint_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    base = tmp_path / "stable-diffusion-3.5-medium"
+    base.mkdir()  # here, so the refusals below are the options', before any model is built
+    _config(ckpt, "sft", "tiny-digits-sft", hf_checkpoint=str(base))  # a full fine-tune
+    line = _refused(["export", str(ckpt), "--merged"], capsys)
+    assert "--merged" in line and "merged pipeline already" in line
+    line = _refused(["export", str(ckpt), "--comfyui"], capsys)
+    assert "--comfyui writes a LoRA file" in line
+    line = _refused(["export", str(ckpt), "--weights", "best"], capsys)
+    assert "--weights best: expected live or ema" in line
