@@ -125,21 +125,8 @@ def serve(
     args.inputs = builtin_paths([args.hf_checkpoint])
     prepare_inputs(args)
     from miles.rollout.rm_hub.dispatch import RewardSettings
-    from miles.rollout.rm_hub.service.server import builtin_scorers, run_service
+    from miles.rollout.rm_hub.service.server import serve as serve_rewards
 
+    extra = {str(custom).rsplit(".", 1)[-1]: custom_scorer(args, str(custom))} if custom is not None else None
     settings = RewardSettings.from_args(args)
-    scorers = builtin_scorers(settings, types)
-    if custom is not None:
-        scorers[str(custom).rsplit(".", 1)[-1]] = custom_scorer(args, str(custom))
-    import asyncio
-
-    asyncio.run(
-        run_service(
-            scorers,
-            host,
-            port,
-            max_batch_size=max_batch_size,
-            ready_file=ready_file,
-            announce=lambda line: print(line, flush=True),
-        )
-    )
+    serve_rewards(settings, types, host, port, extra=extra, max_batch_size=max_batch_size, ready_file=ready_file)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.clip_score import ChunkedFrameScorer, projected, resolve_device
+from miles.rollout.rm_hub.clip_score import ChunkedFrameScorer, frozen_clip, projected, resolve_device
 
 MLP_HIDDEN = (1024, 128, 64, 16)
 MLP_DROPOUT = (0.2, 0.2, 0.1)
@@ -77,12 +77,8 @@ class AestheticScorer(ChunkedFrameScorer):
         device: str | None = None,
     ) -> None:
         super().__init__(batch_size, num_frames)
-        from transformers import CLIPModel, CLIPProcessor
-
         self.device = resolve_device(device)
-        self.processor = CLIPProcessor.from_pretrained(str(clip_path))
-        self.clip = CLIPModel.from_pretrained(str(clip_path)).eval().to(self.device)
-        self.clip.requires_grad_(False)
+        self.processor, self.clip = frozen_clip(clip_path, None, self.device)
         width = int(self.clip.config.projection_dim)
         state = load_mlp_state_dict(model_path)
         first = state.get("layers.0.weight")

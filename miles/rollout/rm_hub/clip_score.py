@@ -96,6 +96,17 @@ def resolve_device(device: str | None) -> Any:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def frozen_clip(model_path: str, processor_path: str | None, device: Any) -> tuple[Any, Any]:
+    """(processor, model): a local CLIP folder in eval mode on `device`, no parameter requiring grad; the processor
+    from `processor_path` (default: the model's folder)."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    processor = CLIPProcessor.from_pretrained(str(processor_path or model_path))
+    model = CLIPModel.from_pretrained(str(model_path)).eval().to(device)
+    model.requires_grad_(False)
+    return processor, model
+
+
 class ChunkedFrameScorer:
     """Scores (image, prompt) pairs: every sample's frames are flattened, scored by `_score_chunk` in chunks of
     `batch_size` under a lock (one forward at a time per scorer), and averaged back per sample."""
@@ -205,12 +216,8 @@ class ClipScoreScorer(ChunkedFrameScorer):
         device: str | None = None,
     ) -> None:
         super().__init__(batch_size, num_frames)
-        from transformers import CLIPModel, CLIPProcessor
-
         self.device = resolve_device(device)
-        self.processor = CLIPProcessor.from_pretrained(str(processor_path or model_path))
-        self.model = CLIPModel.from_pretrained(str(model_path)).eval().to(self.device)
-        self.model.requires_grad_(False)
+        self.processor, self.model = frozen_clip(model_path, processor_path, self.device)
         self.scale = float(scale)
 
     def _score_chunk(self, images: list[np.ndarray], prompts: list[str]) -> list[float]:

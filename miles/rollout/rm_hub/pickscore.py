@@ -22,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.clip_score import ChunkedFrameScorer, clip_cosines, frame_indices, resolve_device
+from miles.rollout.rm_hub.clip_score import (
+    ChunkedFrameScorer,
+    clip_cosines,
+    frame_indices,
+    frozen_clip,
+    resolve_device,
+)
 
 __all__ = ["PickScoreScorer", "frame_indices", "load_pickscore", "pickscore_reward"]
 
@@ -41,13 +47,9 @@ class PickScoreScorer(ChunkedFrameScorer):
         num_frames: int | None = None,
         device: str | None = None,
     ) -> None:
-        from transformers import CLIPModel, CLIPProcessor
-
         super().__init__(batch_size, num_frames)
         self.device = resolve_device(device)
-        self.processor = CLIPProcessor.from_pretrained(str(processor_path))
-        self.model = CLIPModel.from_pretrained(str(model_path)).eval().to(self.device)
-        self.model.requires_grad_(False)
+        self.processor, self.model = frozen_clip(model_path, processor_path, self.device)
 
     def _score_chunk(self, images: list[np.ndarray], prompts: list[str]) -> list[float]:
         cosines = clip_cosines(self.model, self.processor, self.device, images, prompts)

@@ -378,22 +378,20 @@ def serve(
     host: str,
     port: int,
     *,
+    extra: Mapping[str, Scorer] | None = None,
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     ready_file: str | None = None,
     preload: bool = False,
 ) -> None:
-    """`miles reward serve`: the built-in rewards `rm_types` on host:port until SIGINT / SIGTERM.
+    """`miles reward serve`: the built-in rewards `rm_types`, and the `extra` scorers under their names (a
+    `--custom-rm-path`), on host:port until SIGINT / SIGTERM.
 
     Prints `miles: reward service on http://host:port serving digit, ...` once it listens (port 0: a free
     port, the one printed and written to `ready_file`). ConfigError for an unknown reward or a busy port.
     Models load on the first request of their reward, or before the service listens with `preload`."""
-    if not rm_types:
+    if not rm_types and not extra:
         raise ConfigError("miles reward serve needs at least one reward type (--rm-type)")
-    scorers = builtin_scorers(settings, rm_types)
-
-    def announce(line: str) -> None:
-        print(line, flush=True)
-
+    scorers = {**builtin_scorers(settings, rm_types), **(extra or {})}
     asyncio.run(
         run_service(
             scorers,
@@ -401,7 +399,7 @@ def serve(
             port,
             max_batch_size=max_batch_size,
             ready_file=ready_file,
-            announce=announce,
+            announce=lambda line: print(line, flush=True),
             preload=preload,
         )
     )
