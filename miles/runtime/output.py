@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.config.export import to_json_dict, to_yaml_text
+from miles.config.resolve import TRAINING_JOBS
 from miles.core.errors import ConfigError
 from miles.utils.atomic import atomic_write_text
 
@@ -128,7 +129,7 @@ def prepare_output_dir(resolved: ResolvedJob) -> Path:
     lock_output_dir(out)
     config = to_yaml_text(resolved.args)
     atomic_write_text(out / "config.yaml", config)
-    if resolved.args.save and resolved.spec.name in ("rl", "sft", "dmd2"):
+    if resolved.args.save and resolved.spec.name in TRAINING_JOBS:
         # the checkpoints carry the config that rebuilds their model (`miles export CHECKPOINT_DIR`)
         save = Path(str(resolved.args.save)).expanduser()
         save.mkdir(parents=True, exist_ok=True)
