@@ -115,6 +115,7 @@ def export_checkpoint(
     `merged` or for a full fine-tune, and with `comfyui` the adapter as ComfyUI loads it (`comfyui/`). A part
     already there is replaced only once its new copy is whole."""
     from miles.training.export import export_lora, export_pipeline
+    from miles.training.export_comfyui import check_comfyui, write_comfyui_lora
     from miles.training.model import family_of, merged_base_state_dict
 
     if weights not in WEIGHTS:
@@ -124,16 +125,14 @@ def export_checkpoint(
     family = family_of(args)
     if comfyui and not args.use_lora:
         raise ConfigError("--comfyui writes a LoRA file: this job trained the full model (its export is the pipeline)")
-    if comfyui and not family.comfyui_lora:
-        raise ConfigError(f"--comfyui: {family.comfyui_lora_missing}; use the diffusers adapter (lora/)")
+    if comfyui:
+        check_comfyui(family)
     step, state, warnings = trained_state(args, family, ckpt_dir, ckpt_step, weights)
     target = Path(out) if out is not None else Path(ckpt_dir) / "exports" / f"iter_{step:07d}"
     result = CheckpointExport(step=step, out=target, warnings=list(warnings))
     if args.use_lora:
         result.parts["lora"] = export_lora(args, family, state, target / "lora")
     if comfyui:
-        from miles.training.export_comfyui import write_comfyui_lora
-
         result.parts["comfyui"] = write_comfyui_lora(family, target / "lora", target / "comfyui", args.lora_alpha)
     if merged or not args.use_lora:
         served = merged_base_state_dict(state, args) if args.use_lora else state

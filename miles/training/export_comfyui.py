@@ -38,6 +38,12 @@ def comfyui_state(family: Any, adapter: dict[str, torch.Tensor], lora_alpha: flo
     return out
 
 
+def check_comfyui(family: Any) -> None:
+    """ConfigError when ComfyUI has no model for the family (before anything is built or written)."""
+    if not family.comfyui_lora:
+        raise ConfigError(f"--comfyui: {family.comfyui_lora_missing}; use the diffusers adapter (lora/)")
+
+
 def write_comfyui_lora(
     family: Any, lora_dir: str | os.PathLike, out_dir: str | os.PathLike, lora_alpha: float
 ) -> Path:
@@ -47,8 +53,7 @@ def write_comfyui_lora(
 
     from miles.utils.paths import atomic_directory
 
-    if not family.comfyui_lora:
-        raise ConfigError(f"--comfyui: {family.comfyui_lora_missing}; use the diffusers adapter (lora/)")
+    check_comfyui(family)
     sources = sorted(Path(lora_dir).rglob(ADAPTER_FILE))
     if not sources:
         raise ConfigError(f"--comfyui: no {ADAPTER_FILE} under {lora_dir}")
