@@ -12,7 +12,7 @@ Step types (`sde_type`):
 
 ``sde`` (Flow-GRPO's Flow-SDE, algorithms.md B.2)::
 
-    sigma*    = sigma_max if sigma == 1 else sigma          # guard; the caller passes sigma_max = sigmas[1]
+    sigma*    = sigma_max if sigma > sigma_max else sigma   # guard; the caller passes sigma_max = sigmas[1]
     std_dev_t = a * sqrt(sigma / (1 - sigma*))              # a = noise_level (eta)
     mean      = x * (1 + std_dev_t**2 / (2 sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 sigma)) * dt
     s         = std_dev_t * sqrt(-dt)                       # the per-step std
@@ -20,7 +20,10 @@ Step types (`sde_type`):
     log_prob  = mean_{non-batch}( -(x' - mean)**2 / (2 s**2) - log s - log sqrt(2 pi) )
 
   `s` is evaluated as `a * sqrt(sigma * (-dt) / (1 - sigma*))`, the same value in exact arithmetic,
-  written so that at sigma = 1 (with sigma_max = sigmas[1]) it is *exactly* `a` in fp32.
+  written so that at sigma = 1 (with sigma_max = sigmas[1]) it is *exactly* `a` in fp32. Flow-GRPO guards
+  `sigma == 1`; on its grids (which start at exactly 1) that is the first step, the only one above sigmas[1], so
+  `sigma > sigma_max` is the same guard there. It also holds on a grid whose first sigma misses 1 by rounding
+  (UniPC's flow sigmas, cosmos3: 0.999999): `1 - sigma` = 1e-6 would otherwise make the first step's std ~100.
 
 ``cps`` (Coefficients-Preserving Sampling, arXiv 2509.05952, algorithms.md B.8)::
 
@@ -237,8 +240,8 @@ def sde_step(
     Rollout: leave `prev_sample` None; the next latent is `mean + std * noise`, with `noise` given or drawn
     from `generator` (see `draw_noise`). Trainer recompute: pass the stored next latent as `prev_sample`;
     it is returned unchanged and its log-prob computed (detached, so gradients flow through `mean` only).
-    `sigma_max` is the schedule's `sigmas[1]`, used by `sde` in place of sigma where sigma == 1; it is
-    required for `sde` whenever a sigma equals 1. `no_const` drops the log-prob's constant terms
+    `sigma_max` is the schedule's `sigmas[1]`, used by `sde` in place of sigma where sigma > sigma_max (the first
+    step); it is required for `sde` whenever a sigma equals 1. `no_const` drops the log-prob's constant terms
     (`step_log_prob`). See the module docstring for the formulas.
 
     `mask` (a bool tensor of one sample's shape, `TrainPipelineConfig.sde_mask`): only its True elements are
@@ -271,7 +274,8 @@ def sde_step(
                 raise ValueError("sde_step: sigma == 1 needs sigma_max (the schedule's sigmas[1]) for the guard")
             sig_guard = sig
         else:
-            sig_guard = torch.where(sig == 1, _per_batch(sigma_max, "sigma_max", device, batch), sig)
+            top = _per_batch(sigma_max, "sigma_max", device, batch)
+            sig_guard = torch.where(sig > top, top, sig)
         std_dev_t = a * torch.sqrt(sig / (1 - sig_guard))
         std = a * torch.sqrt(sig * (-dt) / (1 - sig_guard))
         sd2, s_, dt_ = _view(std_dev_t**2, ndim), _view(sig, ndim), _view(dt, ndim)

@@ -98,6 +98,22 @@ def test_sigma_one_guard():
         sde_step(v, x, 1.0, SIGMAS[1], sde_type="sde", noise_level=0.7, noise=x)
 
 
+def test_the_guard_holds_on_a_grid_whose_first_sigma_misses_one():
+    """UniPC's flow sigmas (cosmos3) start at 0.999999, not 1: Flow-GRPO's `sigma == 1` guard missed them and the
+    first step's std was ~100 (the sample drowned in noise). The guard is the first step's (sigma > sigma_max), so
+    there it gives a * sqrt(sigma * |dt| / (1 - sigmas[1])), about a; on a grid that starts at 1 nothing changes."""
+    x, v = _inputs()
+    first, second = 1.0 - 1.0133e-6, 0.9782845  # tiny-cosmos3's 10-step grid
+    r = sde_step(v, x, first, second, sde_type="sde", noise_level=0.7, sigma_max=second, noise=x)
+    expected = 0.7 * math.sqrt(first * (first - second) / (1 - second))
+    assert r.std.item() == pytest.approx(expected, rel=1e-5) and 0.69 < r.std.item() < 0.71
+    unguarded = 0.7 * math.sqrt(first * (first - second) / (1 - first))
+    assert unguarded > 100  # what it was
+    # steps below sigmas[1] are never guarded: step 1 of the same grid as before
+    r1 = sde_step(v, x, second, 0.9524376, sde_type="sde", noise_level=0.7, sigma_max=second, noise=x)
+    assert r1.std.item() == pytest.approx(0.7 * math.sqrt(second * (second - 0.9524376) / (1 - second)), rel=1e-5)
+
+
 # --- D.4.3 ODE limit ----------------------------------------------------------------------------
 
 
