@@ -95,6 +95,40 @@ class Cosmos3TrainPipelineConfig(TrainPipelineConfig):
         steps = int(scheduler.config.num_train_timesteps)
         return sigmas, sigmas[:-1] * steps
 
+    def grid_schedule(
+        self,
+        scheduler_config: Mapping[str, Any],
+        num_steps: int,
+        token_count: Any = None,
+        flow_shift: float | None = None,
+    ) -> tuple[list[float], list[float]]:
+        """`schedule` without torch: UniPC's own sigmas (at `flow_shift` when given), timesteps sigma x N in fp32."""
+        import numpy as np
+
+        from miles.models.pipeline_config import live_scheduler_config, unipc_flow_sigmas
+
+        config = live_scheduler_config(scheduler_config)
+        if "flow_shift" not in config and "use_flow_sigmas" not in config:
+            return super().grid_schedule(config, num_steps, token_count, flow_shift)
+        if flow_shift is not None:
+            config["flow_shift"] = float(flow_shift)
+        sigmas = unipc_flow_sigmas(config, num_steps)
+        timesteps = sigmas[:-1] * np.float32(int(config["num_train_timesteps"]))
+        return [float(x) for x in sigmas], [float(x) for x in timesteps]
+
+    def grid_token_count(
+        self, configs: Mapping[str, Mapping[str, Any]], height: int, width: int, num_frames: int = 1
+    ) -> int:
+        """`image_seq_len` of the latent shape, with `Cosmos3OmniPipeline`'s VAE factors (the VAE config's
+        `scale_factor_spatial` / `scale_factor_temporal`; 16 and 4 without a VAE config)."""
+        vae = dict(configs.get("vae") or {})
+        pipe = SimpleNamespace(
+            vae=SimpleNamespace(config=SimpleNamespace(z_dim=int(vae.get("z_dim", 16)))),
+            vae_scale_factor_spatial=int(vae["scale_factor_spatial"]) if configs.get("vae") else 16,
+            vae_scale_factor_temporal=int(vae["scale_factor_temporal"]) if configs.get("vae") else 4,
+        )
+        return self.image_seq_len(self.latent_shape(pipe, height, width, num_frames))
+
     # ---- the checkpoint's constants -------------------------------------------------------------
     def bind_checkpoint(self, checkpoint: Any) -> None:
         """Read the VAE's temporal factor (the mRoPE frame positions use it) and whether the DiT's MLPs are

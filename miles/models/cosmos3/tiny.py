@@ -132,6 +132,19 @@ def make_scheduler() -> Any:
     return UniPCMultistepScheduler(**SCHEDULER_CONFIG)
 
 
+def grid_configs() -> dict[str, dict[str, Any]]:
+    """The configs the torch-free denoising grid (`miles.rollout.grid`) reads, as this build writes them
+    ({component: those keys of its config}), so `miles inspect-config` shows the grid before the first build."""
+    return {
+        "scheduler": {"_class_name": "UniPCMultistepScheduler", **SCHEDULER_CONFIG},
+        "vae": {
+            "scale_factor_spatial": SPATIAL_COMPRESSION,
+            "scale_factor_temporal": TEMPORAL_COMPRESSION,
+            "z_dim": LATENT_CHANNELS,
+        },
+    }
+
+
 def make_pipeline(transformer: Any, tokenizer: Any, vae: Any) -> Any:
     from diffusers import Cosmos3OmniPipeline
 

@@ -104,6 +104,16 @@ def make_scheduler() -> Any:
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
+def grid_configs() -> dict[str, dict[str, Any]]:
+    """The configs the torch-free denoising grid (`miles.rollout.grid`) reads, as this build writes them
+    ({component: those keys of its config}), so `miles inspect-config` shows the grid before the first build."""
+    return {
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULER_CONFIG},
+        "vae": {"block_out_channels": list(C.VAE_BLOCKS)},  # tiny-sd3's VAE
+        "transformer": {"in_channels": PACKED_CHANNELS},
+    }
+
+
 class TinyFluxBuild(DigitsImageBuild):
     """tiny-flux's phases: a CLIP and tiny-sd3's T5, the FLUX transformer, the shared digits VAE."""
 

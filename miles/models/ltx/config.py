@@ -47,6 +47,10 @@ from miles.models.families import register_train_pipeline_config
 from miles.models.pipeline_config import TrainPipelineConfig
 
 DEFAULT_FPS = 24.0  # LTX2Pipeline's frame_rate default
+# LTX2Pipeline's dynamic-shift constants (1024..4096 video tokens -> 0.95..2.05), where a scheduler config lacks them
+DYNAMIC_SHIFT_DEFAULTS = MappingProxyType(
+    {"base_image_seq_len": 1024, "max_image_seq_len": 4096, "base_shift": 0.95, "max_shift": 2.05}
+)
 PATCH_GROUP = "ltx"
 
 
@@ -175,11 +179,45 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
         """LTX2Pipeline's: sigmas linspace(1, 1/n, n) with `mu` from the video token count, its defaults
         (1024..4096 tokens -> 0.95..2.05) where the scheduler config lacks them."""
         if flow_shift is None and scheduler.config.get("use_dynamic_shifting", False):
-            defaults = {"base_image_seq_len": 1024, "max_image_seq_len": 4096, "base_shift": 0.95, "max_shift": 2.05}
-            missing = {k: v for k, v in defaults.items() if k not in scheduler.config}
+            missing = {k: v for k, v in DYNAMIC_SHIFT_DEFAULTS.items() if k not in scheduler.config}
             if missing:
                 scheduler = type(scheduler).from_config(scheduler.config, **missing)
         return super().schedule(scheduler, num_steps, latent_shape, flow_shift)
+
+    def grid_schedule(
+        self,
+        scheduler_config: Mapping[str, Any],
+        num_steps: int,
+        token_count: Any = None,
+        flow_shift: float | None = None,
+    ) -> tuple[list[float], list[float]]:
+        """`schedule` without torch: the base class's, with LTX2Pipeline's dynamic-shift constants for the keys the
+        scheduler's config lacks (as `schedule` adds them to the live scheduler's config)."""
+        from miles.models.pipeline_config import live_scheduler_config
+
+        config = live_scheduler_config(scheduler_config)
+        if flow_shift is None and config.get("use_dynamic_shifting", False):
+            config.update({k: v for k, v in DYNAMIC_SHIFT_DEFAULTS.items() if k not in config})
+        return super().grid_schedule(config, num_steps, token_count, flow_shift)
+
+    def grid_token_count(
+        self, configs: Mapping[str, Mapping[str, Any]], height: int, width: int, num_frames: int = 1
+    ) -> int:
+        """`image_seq_len` (f*h*w video tokens) with the video VAE's compression as `AutoencoderKLLTX2Video` sets it
+        (`spatial_compression_ratio` / `temporal_compression_ratio`, else patch x 2**scalings; LTX2Pipeline's 32 / 8
+        without a VAE config)."""
+        spatial, temporal = _vae_compression(configs.get("vae"))
+        if height % spatial or width % spatial:
+            raise ValueError(
+                f"--diffusion-height/--diffusion-width must be multiples of {spatial} for model family "
+                f"{self.name!r}, got {height}x{width}"
+            )
+        if num_frames < 1 or (num_frames - 1) % temporal:
+            raise ValueError(
+                f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
+                f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
+            )
+        return self.image_seq_len((0, (num_frames - 1) // temporal + 1, height // spatial, width // spatial))
 
     def sde_mask(self, latent_shape: tuple[int, ...]) -> Any:
         """Video channels stochastic (SDE, scored); audio and padding by ODE (as sglang steps LTX-2)."""
@@ -367,6 +405,22 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
                 f"and needs --rollout-patch-group {PATCH_GROUP} (audio<->video cross attention off), so the video "
                 "velocity does not depend on the audio it is not given"
             )
+
+
+def _vae_compression(vae: Mapping[str, Any] | None) -> tuple[int, int]:
+    """(spatial, temporal) compression of an `AutoencoderKLLTX2Video` config (its constructor's rule and defaults);
+    (32, 8), LTX2Pipeline's, without one."""
+    if not vae:
+        return 32, 8
+    scaling = vae.get("spatio_temporal_scaling", (True, True, True, True))
+    if isinstance(scaling, bool):  # one flag per encoder block but the last
+        scaling = (scaling,) * (len(vae.get("layers_per_block", (4, 6, 6, 2, 2))) - 1)
+    doubles = sum(bool(x) for x in scaling)
+    spatial = vae.get("spatial_compression_ratio")
+    temporal = vae.get("temporal_compression_ratio")
+    spatial = int(vae.get("patch_size", 4)) * 2**doubles if spatial is None else int(spatial)
+    temporal = int(vae.get("patch_size_t", 1)) * 2**doubles if temporal is None else int(temporal)
+    return spatial, temporal
 
 
 def _has_patch_group(groups: Any) -> bool:

@@ -291,6 +291,15 @@ def make_scheduler() -> Any:
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
+def grid_configs() -> dict[str, dict[str, Any]]:
+    """The configs the torch-free denoising grid (`miles.rollout.grid`) reads, as this build writes them
+    ({component: those keys of its config}), so `miles inspect-config` shows the grid before the first build."""
+    return {
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULER_CONFIG},
+        "vae": {"spatial_compression_ratio": SPATIAL_COMPRESSION, "temporal_compression_ratio": TEMPORAL_COMPRESSION},
+    }
+
+
 def set_video_latent_stats(vae: Any, videos: Any, batch_size: int = 32) -> tuple[list[float], list[float]]:
     """Per-channel `latents_mean` / `latents_std` (the LTX-2 video VAE's buffers) from the posterior means of
     `videos`, so the pipeline's normalised latents are zero-mean, unit-variance per channel on the data."""

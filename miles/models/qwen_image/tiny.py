@@ -155,6 +155,16 @@ def make_scheduler() -> Any:
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
+def grid_configs() -> dict[str, dict[str, Any]]:
+    """The configs the torch-free denoising grid (`miles.rollout.grid`) reads, as this build writes them
+    ({component: those keys of its config}), so `miles inspect-config` shows the grid before the first build."""
+    return {
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULER_CONFIG},
+        "vae": {"temperal_downsample": list(VAE_TEMPORAL_DOWNSAMPLE), "z_dim": LATENT_CHANNELS},
+        "transformer": {"in_channels": PACKED_CHANNELS},
+    }
+
+
 def _single_frame_conv_forward(conv: Any, x: Any, cache_x: Any = None) -> Any:
     """A causal Conv3d on one frame with no cache, as the 2-D conv it equals.
 

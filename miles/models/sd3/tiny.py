@@ -82,7 +82,21 @@ def make_transformer(seed: int) -> Any:
     )
 
 
+# the scheduler tiny-sd3 ships (recipes set --diffusion-flow-shift where they want another shift)
+SCHEDULER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 1.0}
+
+
 def make_scheduler() -> Any:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+
+
+def grid_configs() -> dict[str, dict[str, Any]]:
+    """The configs the torch-free denoising grid (`miles.rollout.grid`) reads, as this build writes them
+    ({component: those keys of its config}), so `miles inspect-config` shows the grid before the first build."""
+    return {
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULER_CONFIG},
+        "vae": {"block_out_channels": list(C.VAE_BLOCKS)},
+        "transformer": {"in_channels": C.LATENT_CHANNELS},
+    }

@@ -82,6 +82,38 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         euler.set_timesteps(num_steps, device="cpu")
         return scheduler_schedule(euler)
 
+    def grid_schedule(
+        self,
+        scheduler_config: Mapping[str, Any],
+        num_steps: int,
+        token_count: Any = None,
+        flow_shift: float | None = None,
+    ) -> tuple[list[float], list[float]]:
+        """`schedule` without torch: a UniPC config steps FlowMatchEuler at its `flow_shift` (or `flow_shift`)."""
+        from miles.models.pipeline_config import FLOW_MATCH_EULER, flow_match_euler_grid, live_scheduler_config
+
+        config = live_scheduler_config(scheduler_config)
+        if "flow_shift" not in config:
+            return super().grid_schedule(config, num_steps, token_count, flow_shift)
+        shift = float(flow_shift if flow_shift is not None else config["flow_shift"])
+        euler = {"_class_name": FLOW_MATCH_EULER, "num_train_timesteps": config["num_train_timesteps"], "shift": shift}
+        sigmas, timesteps = flow_match_euler_grid(euler, num_steps)
+        return [float(x) for x in sigmas], [float(x) for x in timesteps]
+
+    def grid_experts(
+        self, timesteps: Any, model_index: Mapping[str, Any] | None, scheduler_config: Mapping[str, Any]
+    ) -> list[str | None]:
+        """Each step's expert as `WanExperts` routes it: `transformer` where the fp32 timestep is >= the boundary
+        (`boundary_ratio` of model_index.json x the scheduler's train timesteps, as `WanExperts.of_pipeline`
+        reads them from the pipeline: a model_index without the ratio gives boundary 0; no model_index at all:
+        Wan2.2-T2V-A14B's 0.875), else `transformer_2`."""
+        import numpy as np
+
+        ratio = 0.875 if model_index is None else model_index.get("boundary_ratio")
+        steps = scheduler_config.get("num_train_timesteps", 1000)
+        boundary = np.float32(0.0 if ratio is None else float(ratio) * float(steps))
+        return [EXPERTS[0] if np.float32(t) >= boundary else EXPERTS[1] for t in timesteps]
+
     def trainable_steps(self, sigmas: Any, timesteps: Any, components: tuple[str, ...]) -> list[int] | None:
         if set(EXPERTS) <= set(components):
             return None

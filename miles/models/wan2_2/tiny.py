@@ -192,6 +192,23 @@ def make_scheduler() -> Any:
     return UniPCMultistepScheduler(**SCHEDULER_CONFIG)
 
 
+def grid_configs() -> dict[str, dict[str, Any]]:
+    """The configs the torch-free denoising grid (`miles.rollout.grid`) reads, as this build writes them
+    ({component: those keys of its config}), so `miles inspect-config` shows the grid before the first build."""
+    expert = {"patch_size": list(PATCH_SIZE), "in_channels": LATENT_CHANNELS}
+    return {
+        "model_index": {"boundary_ratio": BOUNDARY_RATIO},
+        "scheduler": {"_class_name": "UniPCMultistepScheduler", **SCHEDULER_CONFIG},
+        "vae": {
+            "scale_factor_spatial": SPATIAL_COMPRESSION,
+            "scale_factor_temporal": TEMPORAL_COMPRESSION,
+            "z_dim": LATENT_CHANNELS,
+        },
+        "transformer": dict(expert),
+        "transformer_2": dict(expert),
+    }
+
+
 class TinyWan22Build(MovingDigitsBuild):
     """tiny-wan2_2's phases: tiny-sd3's T5 tokenizer with the moving-digit words, a UMT5 encoder, two experts, a
     Wan VAE with 4x4 pixel patches fitted to the moving digits."""
