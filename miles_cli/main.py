@@ -169,9 +169,11 @@ def _run_job(job: str, ctx: typer.Context, kwargs: dict[str, Any], replay_path: 
     resolved = _resolve_from_cli(ctx, job, kwargs, replay_path)
     print_warnings(resolved.warnings)
     print_trainer_tables(resolved, show_all=kwargs.get("show_all", False))
-    from miles.preflight import preflight
+    from miles.preflight import passed_line, preflight
 
-    preflight(resolved)  # every input checked, every problem at once, before Ray starts or a model is built
+    report = preflight(resolved)  # every input checked, every problem at once, before Ray starts or a model is built
+    if report.warnings:
+        print(passed_line(report), file=sys.stderr)
     from miles.runtime import dispatch
 
     return dispatch(resolved)  # the driver's exit code (e.g. 1 when the --ci-test metric check fails)
@@ -234,7 +236,9 @@ def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
     if fmt == "table":
         from miles.memory.report import memory_for
         from miles.placement.plan import make_plan
-        from miles_cli.render import print_plan
+        from miles_cli.render import print_plan, print_schedule
+
+        print_schedule(resolved)
 
         cluster = cluster or flags_cluster(resolved.args)
         plan = make_plan(resolved.args, cluster, resolved.spec)
@@ -247,12 +251,12 @@ def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
 
 def _check(resolved: Any, to_stdout: bool) -> None:
     """`inspect-config --check`: the preflight alone; ConfigError (exit 2) listing the problems."""
-    from miles.preflight import problems_message, run_checks
+    from miles.preflight import passed_line, problems_message, run_checks
 
     report = run_checks(resolved)
     if report.problems:
         raise ConfigError(problems_message(report.problems))
-    line = f"miles: preflight passed ({report.checks} checks, {report.seconds:.2f} s)"
+    line = passed_line(report)
     print(line, file=sys.stdout if to_stdout else sys.stderr)
 
 
@@ -279,6 +283,9 @@ def _plan_body(ctx: typer.Context, **kwargs: Any) -> None:
     if fmt == "json":
         print_plan_json(plan, estimate)
     else:
+        from miles_cli.render import print_schedule
+
+        print_schedule(resolved)
         print_plan(plan, estimate)
         print("\n".join(lines))
     if estimate is not None:

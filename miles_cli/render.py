@@ -76,6 +76,19 @@ def print_inspect(resolved: ResolvedJob, fmt: str, show_all: bool = False) -> No
         print_trainer_tables(resolved, show_all=show_all)
 
 
+def print_schedule(resolved: ResolvedJob) -> None:
+    """What the job evaluates and when, and (an RL job) the denoising grid's trained steps as they will run."""
+    from miles.config.eval_schedule import has_eval_data, schedule_text
+    from miles.rollout.trained_steps import plan_lines
+
+    args, job = resolved.args, resolved.spec.name
+    lines = plan_lines(args, job)
+    if has_eval_data(args) or job in ("rl", "sft", "dmd2"):
+        lines.append(f"evaluation: {schedule_text(args, job)}")
+    if lines:
+        print("\n".join(lines))
+
+
 def print_plan(plan: Plan, estimate: MemoryEstimate | None = None) -> None:
     """The placement plan: one row per GPU (node, gpu, what it holds with shares, the GPU's total; with a memory
     estimate, its peak GiB in the train, sync and rollout phases)."""

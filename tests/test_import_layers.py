@@ -11,7 +11,10 @@ The floors, lowest first (the root modules `miles/methods.py`, the method table,
     < preflight < runtime
 
 A torch-free table may sit below its package (`MODULE_FLOORS`): `builtin/names.py`, the catalogue of the embedded
-default, is on the floor of utils, so the config's rules and the models' metadata may read the built-in names.
+default, is on the floor of utils, so the config's rules and the models' metadata may read the built-in names; the
+denoising grid (`rollout/grid.py`), the stock step strategies (`rollout/step_strategy_hub.py`, torch imported inside
+the one strategy that draws with it) and what they train on the grid (`rollout/trained_steps.py`) are on the floor of
+models, so the config's rules can warn about the trained steps before anything starts.
 """
 
 from __future__ import annotations
@@ -43,7 +46,12 @@ ORDER = (
 )
 GROUND_MODULES = ("methods", "rewards")  # miles/<name>.py: on the floor of core: the method and reward tables
 # package.module -> the floor it sits on, below its package's (a table the lower floors read)
-MODULE_FLOORS = {"builtin.names": "utils"}
+MODULE_FLOORS = {
+    "builtin.names": "utils",
+    "rollout.grid": "models",
+    "rollout.step_strategy_hub": "models",
+    "rollout.trained_steps": "models",
+}
 
 
 def _floor(name: str) -> int:

@@ -28,6 +28,9 @@ class Resolution:
         self.values.update(copy.deepcopy(EXTRA_FIELDS))
         self.values.update(copy.deepcopy(DERIVED_FIELDS))
         self.sources: dict[str, str] = dict.fromkeys(self.values, DEFAULT)
+        # every value a flag took, in order, with its source: which values a layer saw before a later one changed
+        # them (the grid a recipe chose its SDE step indices on, `miles.config.rules.denoising`)
+        self.history: dict[str, list[tuple[str, Any]]] = {}
         self.warnings: list[str] = []
         # Raw per-role overrides, parsed: {role: {dest: value}}, with where each came from.
         self.trainer_overrides: dict[str, dict[str, Any]] = {}
@@ -58,6 +61,15 @@ class Resolution:
     def set(self, dest: str, value: Any, source: str) -> None:
         self.values[dest] = value
         self.sources[dest] = source
+        self.history.setdefault(dest, []).append((source, value))
+
+    def value_at(self, dest: str, sources: tuple[str, ...]) -> Any:
+        """`dest`'s value as the layers in `sources` (and the default) left it: the last one they set."""
+        for source, value in reversed(self.history.get(dest, [])):
+            if source in sources:
+                return value
+        flag = FLAGS_BY_DEST.get(dest)
+        return copy.deepcopy(flag.default) if flag is not None else None
 
     def derive(self, dest: str, value: Any) -> None:
         self.set(dest, value, DERIVED)

@@ -45,6 +45,7 @@ CHECKS: tuple[Check, ...] = (
 class Report:
     problems: list[str] = field(default_factory=list)
     checks: int = 0  # how many checks ran
+    warnings: int = 0  # the config rules' warnings about the job (printed before the preflight runs)
     seconds: float = 0.0
     failed: list[str] = field(default_factory=list)  # checks that crashed (a bug in miles): their warning lines
 
@@ -55,7 +56,7 @@ def run_checks(resolved: ResolvedJob, checks: tuple[Check, ...] = CHECKS) -> Rep
     warned about on stderr (and kept in `Report.failed`), and the job is not refused for it, since nothing would
     let the user past a refusal they cannot fix; the runtime still reads that input with the same readers."""
     start = time.perf_counter()
-    report = Report()
+    report = Report(warnings=len(resolved.warnings))
     for check in checks:
         if not check.applies(resolved.spec.name):
             continue
@@ -88,11 +89,18 @@ def problems_message(problems: list[str]) -> str:
     return f"{len(problems)} problems:\n" + "\n".join(f"  - {line}" for line in problems)
 
 
-def preflight(resolved: ResolvedJob) -> None:
-    """ConfigError naming every problem the preflight finds (nothing when there is none)."""
-    problems = find_problems(resolved)
-    if problems:
-        raise ConfigError(problems_message(problems))
+def preflight(resolved: ResolvedJob) -> Report:
+    """ConfigError naming every problem the preflight finds; else the report (its checks and warnings)."""
+    report = run_checks(resolved)
+    if report.problems:
+        raise ConfigError(problems_message(report.problems))
+    return report
 
 
-__all__ = ["CHECKS", "Check", "Report", "find_problems", "preflight", "problems_message", "run_checks"]
+def passed_line(report: Report) -> str:
+    """`miles: preflight passed (N checks[, W warnings above], S s)`."""
+    warned = f", {report.warnings} warning{'s' if report.warnings != 1 else ''} above" if report.warnings else ""
+    return f"miles: preflight passed ({report.checks} checks{warned}, {report.seconds:.2f} s)"
+
+
+__all__ = ["CHECKS", "Check", "Report", "find_problems", "passed_line", "preflight", "problems_message", "run_checks"]

@@ -203,13 +203,11 @@ def _hint(message: str, path: Path) -> str:
 
 
 def eval_data_used(resolved: ResolvedJob) -> bool:
-    """The job reads its eval sets: `miles eval`; `train dmd2` (it evaluates at the end); `train rl|sft` with
-    --eval-interval."""
-    args = resolved.args
-    if not (args.eval_prompt_data or args.eval_config):
-        return False
-    job = resolved.spec.name
-    return job in ("eval", "dmd2") or (job in ("rl", "sft") and args.eval_interval is not None)
+    """The job reads its eval sets: `miles eval`, and a training job given them (it evaluates after its last
+    rollout; `miles.config.eval_schedule`)."""
+    from miles.config.eval_schedule import evaluates
+
+    return evaluates(resolved.args, resolved.spec.name)
 
 
 def _eval_sets(args: Any) -> Iterator[tuple[str, str]]:

@@ -49,10 +49,10 @@ Default when `--diffusion-step-strategy-path` is unset (`default_steps`), our ch
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from miles.utils.hooks import load_function
 
@@ -119,6 +119,8 @@ def epoch_global_random_choice(args: Any, sample: Any, num_steps: int, seed: int
         if not rollout_batch_size:
             raise ValueError("the epoch_global_random_choice strategy needs --rollout-batch-size to find the epoch")
         epoch = int(sample.group_index) // int(rollout_batch_size)
+        import torch  # here, so the hub (and what `inspect-config` reads of it) stays torch-free
+
         generator = torch.Generator().manual_seed(epoch + int(args.rollout_seed))
         perm = torch.randperm(len(candidates), generator=generator)[:k]
         steps = sorted(candidates[i] for i in perm.tolist())
@@ -172,6 +174,69 @@ def default_steps(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[li
         return [], None
     steps = list(range(num_steps - 1))
     return steps, return_indices(steps) if steps else None
+
+
+# ---- what a strategy may draw (torch-free; `miles inspect-config` prints it, the config rules check it) ---------
+@dataclass(frozen=True)
+class Candidates:
+    """The steps a stock strategy may make SDE steps on a `num_steps` grid, and how many it draws."""
+
+    steps: tuple[int, ...]
+    how: str  # in words, e.g. "a window of 2 consecutive steps at a per-sample random start in [3, 5)"
+    flags: tuple[str, ...]  # the flags (dests) holding step indices: chosen on one grid, they mean nothing on another
+
+
+def _window_candidates(args: Any, num_steps: int) -> Candidates:
+    window = int(args.diffusion_num_sde_steps or 0)
+    lo, hi = _window_range(args, num_steps)
+    hi = min(hi, num_steps)
+    flags = ("diffusion_sde_window_range",) if args.diffusion_sde_window_range is not None else ()
+    if hi - window <= lo:  # one possible start
+        end = min(hi, lo + max(window, 1))
+        return Candidates(tuple(range(lo, end)), f"steps {lo}-{end - 1}, every sample", flags)
+    shared = bool(args.diffusion_shared_prefix) or args.diffusion_post_sde_steps_ratio is not None
+    per = "microgroup's" if shared else "sample's"
+    how = f"a window of {window} consecutive steps at each {per} random start in [{lo}, {hi - window}]"
+    return Candidates(tuple(range(lo, hi)), how, flags)
+
+
+def candidate_steps(args: Any, num_steps: int) -> Candidates | None:
+    """What the strategy `--diffusion-step-strategy-path` may draw on a `num_steps` grid (None: a custom strategy,
+    whose draws only a rollout shows)."""
+    path = args.diffusion_step_strategy_path
+    name = str(path).strip().rpartition(".")[2] if path else "default_steps"
+    if path and str(path).strip() not in STOCK_STRATEGIES and not str(path).startswith(__name__ + "."):
+        return None
+    if name == "sde_window":
+        return _window_candidates(args, num_steps)
+    if name == "epoch_global_random_choice":
+        steps = tuple(sorted(int(c) for c in (args.diffusion_sde_candidate_steps or ())))
+        k = int(args.diffusion_num_sde_steps or 0)
+        listed = ",".join(str(s) for s in steps)
+        how = (
+            f"steps {listed}, every sample"
+            if k <= 0 or k >= len(steps)
+            else f"{k} of steps {listed}, drawn once per epoch and shared by its samples"
+        )
+        return Candidates(steps, how, ("diffusion_sde_candidate_steps",))
+    if name == "ode_and_return_last":
+        return Candidates((), "no SDE step (the final latent only)", ())
+    if name == "mix_grpo_window":
+        window = int(args.diffusion_num_sde_steps or 0)
+        if args.diffusion_sde_window_range is None:
+            lo, hi, flags = 0, num_steps - 1, ()
+        else:
+            (lo, hi), flags = _window_range(args, num_steps), ("diffusion_sde_window_range",)
+        every = int(args.diffusion_sde_window_interval)
+        how = f"MixGRPO's window of {window} steps sliding through [{lo}, {hi}) every {every} rollouts"
+        return Candidates(tuple(range(lo, min(hi, num_steps))), how, flags)
+    if name == "default_steps":
+        if int(args.diffusion_num_sde_steps or 0) > 0:
+            return _window_candidates(args, num_steps)
+        if args.diffusion_sde_type == "ode" or float(args.diffusion_noise_level) == 0.0:
+            return Candidates((), "no SDE step (ODE rollouts)", ())
+        return Candidates(tuple(range(num_steps - 1)), "every step but the last (plain Flow-GRPO)", ())
+    return None
 
 
 STOCK_STRATEGIES: dict[str, StepStrategy] = {

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.config.eval_schedule import has_eval_data
 from miles.io.dashboard import NullDashboard, open_dashboard
 from miles.io.loggers import MetricsLogger
 from miles.rollout.rollout_hooks import log_eval, log_rollout
@@ -89,7 +90,7 @@ def run(resolved: ResolvedJob) -> int:
                 if guard is not None and guard.ended:  # stop / rollback after this rollout trained
                     end = rollout_id + 1
                     break
-        if has_eval_data(args) and args.eval_interval and start < num_rollout and not ended_at_eval:
+        if has_eval_data(args) and start < num_rollout and not ended_at_eval:  # eval data: always after the last
             final = run_eval(args, manager, out, end, dash)
             if guard is not None:
                 final.update(guard.after_eval(end, final, group, phases.trainers_awake))
@@ -161,10 +162,6 @@ def save_debug_data(args: Any, rollout_id: int, samples: list[Any], metrics: dic
         train = {k: float(v) for k, v in metrics.items() if k.startswith("train/")}
         path = format_rollout_path(args.save_debug_train_data, rollout_id)
         save_rollout(path, rollout_id, samples, {"metrics": train}, model=model)
-
-
-def has_eval_data(args: Any) -> bool:
-    return bool(args.eval_prompt_data) or args.eval_config is not None
 
 
 def eval_due(args: Any, rollout_id: int, start: int) -> bool:

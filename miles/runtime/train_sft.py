@@ -124,7 +124,7 @@ def run(resolved: ResolvedJob) -> int:
                 if export_due(args, it, num_iters):
                     with dash.span("export", rollout_id=it):
                         export_at(args, group, it + 1, unit="iter")
-        if has_eval_data(args) and args.eval_interval and first < num_iters:
+        if has_eval_data(args) and first < num_iters:  # eval data: always after the last iteration
             logger.log(num_iters, evaluator(num_iters))
         logger.close()
         with dash.span("export"):

@@ -10,6 +10,7 @@ from miles.config.rules import (
     algorithm,
     batch,
     data,
+    denoising,
     engines,
     fault_tolerance,
     hooks,
@@ -34,5 +35,6 @@ SHARED_RULES = (
     *engines.RULES,
     *fault_tolerance.RULES,
     *hooks.RULES,
+    *denoising.RULES,
     topology.check_placement,
 )

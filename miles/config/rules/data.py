@@ -90,16 +90,23 @@ def check_reward(res: Resolution, job: JobSpec) -> None:
 
 
 def check_eval(res: Resolution, job: JobSpec) -> None:
-    has_eval_data = bool(res["eval_prompt_data"]) or res["eval_config"] is not None
-    if res["eval_interval"] is not None and not has_eval_data:
+    """Eval data is evaluated or said not to be (`miles.config.eval_schedule`): a training job evaluates it after
+    its last rollout, and every --eval-interval N; training on saved rollouts starts no engine, so a warning."""
+    from miles.config.eval_schedule import evaluates, has_eval_data, trains_on_saved_rollouts
+
+    data = has_eval_data(res)
+    if res["eval_interval"] is not None and not data:
         res.fail(f"{res.show('eval_interval')} requires eval datasets: --eval-prompt-data NAME PATH or --eval-config")
-    if job.needs_eval_data and not has_eval_data:
+    if job.needs_eval_data and not data:
         res.fail(f"`miles {job.command}` needs eval datasets: --eval-prompt-data NAME PATH or --eval-config")
-    if job.name == "sft" and res["eval_interval"] is not None and res["rollout_backend"] == "sglang":
+    if job.name == "sft" and evaluates(res, job.name) and res["rollout_backend"] == "sglang":
         res.fail(
-            f"{res.show('rollout_backend')}: `miles train sft` evaluates (--eval-interval) on one in-process "
+            f"{res.show('rollout_backend')}: `miles train sft` evaluates its eval sets on one in-process "
             "diffusers engine; use --rollout-backend diffusers"
         )
+    if data and job.trains and trains_on_saved_rollouts(res, job.name) and res["eval_interval"] is None:
+        which = "eval_config" if res["eval_config"] is not None else "eval_prompt_data"
+        res.warn(f"{res.show(which)} is not evaluated: training on saved rollouts starts no engine")
 
 
 def check_debug_modes(res: Resolution, job: JobSpec) -> None:

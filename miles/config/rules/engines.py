@@ -139,8 +139,11 @@ def _check_family_settings_on_sglang(res: Resolution) -> None:
 
 
 def _samples(res: Resolution, job: JobSpec) -> bool:
-    """Whether the job runs rollout engines: it generates, evaluates, or evaluates on the way (--eval-interval)."""
-    return job.generates or job.name == "eval" or res["eval_interval"] is not None
+    """Whether the job runs rollout engines: it generates, or evaluates eval sets (`miles eval`, or a training job
+    with eval data: `miles.config.eval_schedule`)."""
+    from miles.config.eval_schedule import evaluates
+
+    return job.generates or evaluates(res, job.name)
 
 
 def resolve_generator_device(res: Resolution, job: JobSpec) -> None:

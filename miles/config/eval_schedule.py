@@ -1,0 +1,54 @@
+"""When a job evaluates its eval sets (torch-free; the rules, the preflight, the loops and `inspect-config` read it).
+
+A training job given eval data (`--eval-prompt-data` or `--eval-config`) always evaluates after its last rollout
+(iteration); with `--eval-interval N` also before the first (unless `--skip-eval-before-train`) and every N. Eval data
+is never accepted and then ignored: a job that trains on saved rollouts starts no engine, so there the config rules
+warn that the eval sets are not evaluated. `miles eval` evaluates them, `rollout-only` and `replay` do not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.config.resolution import Resolution
+
+TRAINING_JOBS = ("rl", "sft", "dmd2")
+
+
+def _value(args: Any, name: str) -> Any:
+    """A flag's value from resolved `Args` (attributes) or a `Resolution` (items)."""
+    return args[name] if isinstance(args, Resolution) else getattr(args, name)
+
+
+def has_eval_data(args: Any) -> bool:
+    return bool(_value(args, "eval_prompt_data")) or _value(args, "eval_config") is not None
+
+
+def trains_on_saved_rollouts(args: Any, job: str) -> bool:
+    """`train rl` on saved rollouts (`--load-debug-rollout-data`, `miles replay`): no engine starts."""
+    return job in ("rl", "replay") and _value(args, "load_debug_rollout_data") is not None
+
+
+def evaluates(args: Any, job: str) -> bool:
+    """Whether `job` runs evaluations of its eval sets."""
+    if not has_eval_data(args):
+        return False
+    if job == "eval":
+        return True
+    return job in TRAINING_JOBS and not trains_on_saved_rollouts(args, job)
+
+
+def schedule_text(args: Any, job: str) -> str:
+    """When the job evaluates, in words (`inspect-config` prints it)."""
+    if not has_eval_data(args):
+        return "no eval sets (--eval-prompt-data / --eval-config)"
+    if job == "eval":
+        return "every eval set, once"
+    if not evaluates(args, job):
+        return "not evaluated: training on saved rollouts starts no engine"
+    unit = "iteration" if job in ("sft", "dmd2") else "rollout"
+    interval = _value(args, "eval_interval")
+    if not interval:
+        return f"after the last {unit} only (set --eval-interval N for a curve)"
+    first = "" if _value(args, "skip_eval_before_train") or job == "dmd2" else f"before the first {unit}, "
+    return f"{first}every {interval} {unit}s and after the last"
