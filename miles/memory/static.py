@@ -18,10 +18,14 @@ What each trainer rank holds (`miles.training.trainer.Trainer`, `miles.training.
                with its buffers (`ref/frozen_buffers`); `--offload-train` moves it with the params
 Under `--fsdp-cpu-offload` params, grads, adam and ema are on the host. Between phases `--offload-train` moves
 optimizer state and gradients off after train, parameters (and the EMA) after the sync (`miles.runtime.phases`).
+Under a LoRA-only sync (`miles.models.lora_sync.lora_only_sync`) it moves before the sync also all the sync does
+not read: the frozen base's shards, the buffers, the frozen reference and the EMA unless it is served
+(`--ema-rollout-policy ema`); the sync phase holds the adapters' shards ("params") and what the sync itself needs.
 
 What each engine holds (`DiffusersEngine`): every module of the pipeline in `--diffusion-forward-dtype` (the VAE
-in fp32 when that is not fp32), released under `--offload-rollout` while the trainers train; with LoRA-only weight
-sync the diffusers engine also keeps a copy of each adapted base weight (`LoraMerger`), released with the pipeline.
+in fp32 when that is not fp32), released under `--offload-rollout` while the trainers train. With LoRA-only weight
+sync the diffusers engine also keeps a copy of each adapted base weight (`LoraMerger`): in pinned host memory next
+to GPU weights, so not counted here (a note gives its size); only the module being merged has its base on the GPU.
 
 The weight sync (`miles.training.in_place_sync`; the actor's weights only): every rank gathers each tensor to its
 full size on the device before copying it to the host (`sync/gather`: the largest tensor), and under `--colocate`
@@ -50,8 +54,10 @@ from miles.memory.counts import (
     dtype_name,
 )
 from miles.methods import METHODS
+from miles.models.lora_sync import lora_only_sync
 
 TRAIN, SYNC, ROLLOUT = "train", "sync", "rollout"
+LORA_BASE_COPIES = "lora_merger/base_copies"  # named in a note: host memory, not counted on the GPU
 PHASES = (TRAIN, SYNC, ROLLOUT)
 EXACT = "exact"
 GIB = 1024**3
@@ -224,13 +230,23 @@ class Denoiser:
             return max((a.numel(self.rank) // a.count * self._adapter_bytes(a) for a in self.adapters), default=0)
         return self.largest_tensor(False)
 
-    def adapted_base_bytes(self, library_of: Mapping[str, str], forward: str) -> int:
-        """Bytes of the base weights the adapters sit on, in the engine's `forward` dtype (pins kept)."""
-        total = 0
+    def _adapted_bases(self, library_of: Mapping[str, str], forward: str) -> list[tuple[TensorGroup, int]]:
+        """(the base weights of each adapter group, their bytes per element in the engine's `forward` dtype)."""
+        out = []
         for a in self.adapters:
             group = TensorGroup(a.b_rows, a.a_rest * a.b_rest, a.count, PARAM, "", a.pin)
-            total += group.numel * DTYPE_BYTES[group.dtype_at(library_of.get(a.component, "diffusers"), forward)]
-        return total
+            out.append((group, DTYPE_BYTES[group.dtype_at(library_of.get(a.component, "diffusers"), forward)]))
+        return out
+
+    def adapted_base_bytes(self, library_of: Mapping[str, str], forward: str) -> int:
+        """Bytes of the base weights the adapters sit on, in the engine's `forward` dtype (pins kept)."""
+        return sum(group.numel * width for group, width in self._adapted_bases(library_of, forward))
+
+    def merge_bytes(self, library_of: Mapping[str, str], forward: str) -> int:
+        """The engine's merge of its largest adapted weight (`LoraMerger.apply`): its base brought to the device, in
+        the engine's dtype, and the fp32 math of `merge_lora_weight` (the base, B @ A and its scaled copy at once)."""
+        bases = self._adapted_bases(library_of, forward)
+        return max((group.size * (width + 3 * DTYPE_BYTES["float32"]) for group, width in bases), default=0)
 
 
 def denoiser_of(counts: ModelCounts, family: Any, args: Any) -> tuple[Denoiser, tuple[str, ...]]:
@@ -272,29 +288,37 @@ def trainer_slot(
     lora = bool(args.use_lora)
     offload = bool(args.offload_train)
     host = bool(args.fsdp_cpu_offload)
+    lora_only = lora_only_sync(args)
     on = [p for p in phases if not (offload and p == ROLLOUT)]  # where parameters are on the device
     optimizer_on = [p for p in phases if p == TRAIN or not offload]
+    # where all of the model is on the device: before a LoRA-only sync the trainer drops what it does not read
+    whole = [p for p in on if not (offload and lora_only and p == SYNC)]
+    adapters_only = [p for p in on if p not in whole]
     where = "on the host (--fsdp-cpu-offload)" if host else EXACT
 
     def gpu(nbytes: int) -> int:
         return 0 if host else nbytes
 
-    params = denoiser.sharded_bytes(shards, "base") + (denoiser.sharded_bytes(shards, "adapters") if lora else 0)
-    slot.add(on, "params", gpu(params), where)
-    slot.add(on, "buffers", denoiser.sharded_bytes(shards, "buffers"))
+    adapters = denoiser.sharded_bytes(shards, "adapters") if lora else 0
+    params = denoiser.sharded_bytes(shards, "base") + adapters
+    slot.add(whole, "params", gpu(params), where)
+    only = "exact: the adapters' shards (the frozen base is off the device for a LoRA-only sync)"
+    slot.add(adapters_only, "params", gpu(adapters), where if host else only)
+    slot.add(whole, "buffers", denoiser.sharded_bytes(shards, "buffers"))
     trainable = sum(n * w for n, w in denoiser.trainable_shard_elements(shards, lora))
     slot.add(optimizer_on, "grads", gpu(trainable), where)
     slot.add(optimizer_on, "adam", gpu(2 * trainable), where)
     if args.use_ema:
         ema = sum(n for n, _ in denoiser.trainable_shard_elements(shards, lora)) * DTYPE_BYTES["float32"]
-        slot.add(on, "ema", gpu(ema), where)
+        served = args.ema_rollout_policy == "ema"  # the sync swaps the shadow in: it stays for it
+        slot.add(on if served else whole, "ema", gpu(ema), where)
         if args.ref_mode == "ema" and TRAIN in phases:
             slot.add([TRAIN], "ema/swap_backup", gpu(trainable), where)
         if args.ema_rollout_policy == "ema" and SYNC in phases:
             slot.add([SYNC], "ema/swap_backup", gpu(trainable), where)
     if args.ref_mode == "frozen":  # the trainer's frozen copy of its start weights, sharded like the model
-        slot.add(on, "ref/frozen", gpu(params), where)
-        slot.add(on, "ref/frozen_buffers", denoiser.sharded_bytes(shards, "buffers"))
+        slot.add(whole, "ref/frozen", gpu(params), where)
+        slot.add(whole, "ref/frozen_buffers", denoiser.sharded_bytes(shards, "buffers"))
     known = METHODS.get(str(args.loss_type))  # the method table (miles.methods)
     if known is not None and known.frozen_teacher and not lora:
         teacher = gpu(denoiser.sharded_bytes(shards, "base")) + denoiser.sharded_bytes(shards, "buffers")
@@ -316,7 +340,6 @@ def trainer_slot(
             unsharded = (groups.root + 2 * groups.largest_block) * width
             slot.add([TRAIN], "fsdp/unsharded", unsharded, "formula: root group + 2 blocks gathered (no LoRA)")
     if SYNC in phases and syncs:
-        lora_only = lora and (bool(args.lora_ipc_weight_sync) or args.rollout_backend == "sglang")
         slot.add([SYNC], "sync/gather", denoiser.largest_tensor(lora_only))
         if feeds_engine and bool(args.colocate):
             largest_group = max(denoiser.sync_payload_groups(lora_only).values(), default=0)
@@ -329,12 +352,9 @@ def trainer_slot(
 
 # ---- an engine --------------------------------------------------------------------------------------------------
 def engine_slot(
-    label: str,
-    args: Any,
-    counts: ModelCounts,
-    phases: tuple[str, ...],
-    lora_base: int,
+    label: str, args: Any, counts: ModelCounts, phases: tuple[str, ...], lora_merge: int = 0
 ) -> SlotStatic:
+    """The pipeline; `lora_merge`: the diffusers engine's LoRA merge of one module in the sync (`merge_bytes`)."""
     slot = SlotStatic(label)
     forward = dtype_name(args.diffusion_forward_dtype)
     pipeline = 0
@@ -343,8 +363,8 @@ def engine_slot(
         pipeline += component.total_bytes(forward, cast=cast)
     held = [p for p in phases if not (bool(args.offload_rollout) and p == TRAIN)]
     slot.add(held, "pipeline", pipeline)
-    if lora_base:  # released with the pipeline under --offload-rollout
-        slot.add(held, "lora_merger/base_copies", lora_base)
+    if lora_merge and SYNC in phases:
+        slot.add([SYNC], "lora_merger/merge", lora_merge, "formula: one module's base on the device + fp32 merge")
     return slot
 
 
@@ -434,18 +454,25 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
                 config,
                 role == "actor",
             )
-    lora_base = 0
+    lora_merge = 0
     backend = args.rollout_backend
     if actor_denoiser is not None and args.use_lora and args.lora_ipc_weight_sync and num_engines:
         if backend == "sglang":
             notes.append("sglang's LoRA merge may keep base-weight copies too: not counted")
         else:
             libraries = {n: c.library for n, c in engine_counts.components.items()}
-            lora_base = actor_denoiser.adapted_base_bytes(libraries, dtype_name(args.diffusion_forward_dtype))
+            forward = dtype_name(args.diffusion_forward_dtype)
+            lora_base = actor_denoiser.adapted_base_bytes(libraries, forward)
+            lora_merge = actor_denoiser.merge_bytes(libraries, forward)
+            notes.append(
+                f"{LORA_BASE_COPIES}: {gib(lora_base):.1f} GiB per engine, the diffusers engine's copies of the "
+                "adapted base weights, in pinned host memory (not on the GPU: a module's base is on the device only "
+                "while it merges, lora_merger/merge)"
+            )
     if backend == "sglang":
         notes.append("sglang engines: the pipeline counted as the in-process engine holds it (not measured)")
     for slot in plan.slots_of("engine"):
-        slots[slot.label] = engine_slot(slot.label, args, engine_counts, phases, lora_base)
+        slots[slot.label] = engine_slot(slot.label, args, engine_counts, phases, lora_merge)
         if len(slot.gpus) > 1:
             notes.append(f"{slot.label} spans {len(slot.gpus)} GPUs: its whole pipeline is counted on each (bound)")
     if plan.slots_of("reward"):

@@ -7,11 +7,16 @@ Instead of the whole LoRA-merged transformer, the trainer sends three tensors pe
     <module>.lora_B        [out, r]  the adapter's B
     <module>.lora_scaling  0-d fp64  peft's scaling of the adapter (lora_alpha / r)
 
-so every name carries `lora_`. The engine keeps a copy of each adapted module's base weight the first
-time it merges into it and sets `W = W_base + scaling * B @ A` (fp32 math, cast to the engine's dtype),
-so repeated syncs never compound. The three tensors of a module may arrive in different chunks of
-`--update-weight-buffer-size`; the engine merges a module once it holds all three. A full-weight update
-of `<module>.weight` replaces the weight and drops its base copy (the next LoRA merge starts from it).
+so every name carries `lora_`. A sync is LoRA-only under `--use-lora` with `--lora-ipc-weight-sync` or with
+sglang engines (`lora_only_sync`: the trainer's payload, its offload before the sync and the memory plan ask it).
+
+The engine keeps a copy of each adapted module's base weight the first time it merges into it and sets
+`W = W_base + scaling * B @ A` (fp32 math, cast to the engine's dtype), so repeated syncs never compound.
+The copies live in host memory: pinned when the weights are on a GPU, where only the module being merged has
+its base on the device (for that merge); a plain CPU clone on a CPU engine. The three tensors of a module may
+arrive in different chunks of `--update-weight-buffer-size`; the engine merges a module once it holds all
+three. A full-weight update of `<module>.weight` replaces the weight and drops its base copy (the next LoRA
+merge starts from it).
 
 The flag requires --colocate, under which every sync passes the engines handles, not copies
 (`miles.training.in_place_sync`): CUDA IPC on GPUs, shared memory on a CPU machine. An engine gets the
@@ -21,11 +26,21 @@ tensors of one bucket per call: the fp64 scalings come first, in their own bucke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PARTS = ("lora_A", "lora_B", "lora_scaling")
+
+
+def lora_only_sync(args: Any) -> bool:
+    """Whether a weight sync of a trainer with `args` pushes only the LoRA tensors (`lora_sync_payload`), not the
+    merged model: `--use-lora` with `--lora-ipc-weight-sync`, or with sglang engines (they take the adapter through
+    `lora_merge` / `/v1/set_lora`). Such a sync reads nothing of the model but its adapters (and the EMA shadow
+    when it is served), so the frozen base may leave the device before it (`Trainer.offload`'s "frozen"). Torch-free:
+    the memory plan (`miles.memory.static`) asks it too."""
+    return bool(args.use_lora) and (bool(args.lora_ipc_weight_sync) or args.rollout_backend == "sglang")
 
 
 def merge_lora_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -41,6 +56,7 @@ def lora_sync_payload(model: torch.nn.Module, adapter: str = "default") -> dict[
 
     Call it on every rank: gathering a sharded tensor is a collective.
     """
+    import torch
     from peft.tuners.lora import LoraLayer
 
     out: dict[str, torch.Tensor] = {}
@@ -63,8 +79,22 @@ def is_lora_entry(name: str) -> bool:
     return name.rpartition(".")[2] in PARTS
 
 
+def base_copy(value: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`value` (the base of `weight`) as the merger keeps it: a copy in `weight`'s dtype in host memory, pinned
+    when `weight` is on a GPU (its merge then brings it over by DMA); a plain CPU clone next to CPU weights."""
+    import torch
+
+    value = value.detach()
+    if weight.device.type == "cpu":
+        return value.to(dtype=weight.dtype, copy=True)
+    out = torch.empty(value.shape, dtype=weight.dtype, device="cpu", pin_memory=weight.is_cuda)
+    out.copy_(value)
+    return out
+
+
 class LoraMerger:
-    """Engine side: the base copies of the adapted weights and the parts of modules not yet complete."""
+    """Engine side: the base copies of the adapted weights (in host memory, `base_copy`) and the parts of modules
+    not yet complete. A module's base is on the weight's device only while it merges."""
 
     def __init__(self) -> None:
         self.base: dict[str, torch.Tensor] = {}
@@ -73,6 +103,8 @@ class LoraMerger:
     def apply(self, module: torch.nn.Module, entries: dict[str, torch.Tensor]) -> list[str]:
         """Take LoRA entries (`<module>.lora_A|lora_B|lora_scaling`); merge every completed module into
         `module`'s weights; returns the modules merged."""
+        import torch
+
         params = dict(module.named_parameters())
         for name, tensor in entries.items():
             prefix, _, part = name.rpartition(".")
@@ -88,10 +120,21 @@ class LoraMerger:
                 weight = params[f"{prefix}.weight"]
                 base = self.base.get(prefix)
                 if base is None:
-                    base = self.base[prefix] = weight.detach().clone()
-                weight.copy_(merge_lora_weight(base, parts["lora_A"], parts["lora_B"], float(parts["lora_scaling"])))
+                    base = self.base[prefix] = base_copy(weight, weight)
+                # on the device for this merge only (the same tensor on a CPU engine); the copy's stream order
+                # makes the merge read it complete
+                on_device = base.to(weight.device, non_blocking=True)
+                a, b, scaling = parts["lora_A"], parts["lora_B"], float(parts["lora_scaling"])
+                weight.copy_(merge_lora_weight(on_device, a, b, scaling))
+                del on_device
                 merged.append(prefix)
         return merged
+
+    def restore(self, module: torch.nn.Module, base: dict[str, torch.Tensor]) -> None:
+        """Take base copies saved elsewhere (an engine's `export_weights`), kept as `apply` keeps its own."""
+        params = dict(module.named_parameters())
+        self.base = {prefix: base_copy(value, params[f"{prefix}.weight"]) for prefix, value in base.items()}
+        self.pending = {}
 
     def own_pending(self) -> None:
         """Copy the parts still waiting for the rest of their module: they may be views of memory a sender

@@ -5,8 +5,12 @@ on under `--colocate`, where trainer ranks and engines share GPUs).
     generate       engines awake, trainers asleep
     to_train()     engines release their weights; trainers wake
     train
-    to_sync()      trainers drop optimizer state and gradients; engines wake
-    sync           trainer parameters and engine weights are on the devices, nothing else
+    to_sync()      trainers drop optimizer state and gradients, and under a LoRA-only sync
+                   (`miles.models.lora_sync.lora_only_sync`) all of the model the sync does not read: the
+                   frozen base, buffers, frozen reference (and the EMA shadow unless it is served); then
+                   engines wake
+    sync           what the sync reads of the trainers (all parameters, or the adapters) and the engines'
+                   weights are on the devices, nothing else
     to_rollout()   trainers drop their parameters too
 
 What moved is measured by the driver: `perf/offload_time`, `perf/onload_time` (seconds of the phase
@@ -22,8 +26,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-OPTIMIZER_AND_GRADS = ("optimizer", "grads")
 EVERYTHING = ("optimizer", "grads", "params")
+# before the sync: each trainer decides what of "frozen" it may drop (`Trainer.offload`: nothing under a full sync)
+BEFORE_SYNC = ("optimizer", "grads", "frozen")
 
 
 class Phases:
@@ -79,7 +84,7 @@ class Phases:
 
     def to_sync(self) -> None:
         if self.train:
-            self._trainers_off(OPTIMIZER_AND_GRADS)
+            self._trainers_off(BEFORE_SYNC)
         if self.rollout:
             self._engines("onload_engines")
 

@@ -216,10 +216,10 @@ class Trainer:
         """What one sync pushes to the engines: `engine_weights()`, or under --lora-ipc-weight-sync (and for
         LoRA on sglang engines, which take the adapter through `/v1/set_lora`) only the LoRA tensors
         (`miles.models.lora_sync`: the engines merge them into their base weights)."""
-        lora_only = self.args.lora_ipc_weight_sync or self.args.rollout_backend == "sglang"
-        if not (self.args.use_lora and lora_only):
+        from miles.models.lora_sync import lora_only_sync, lora_sync_payload
+
+        if not lora_only_sync(self.args):
             return self.engine_weights()
-        from miles.models.lora_sync import lora_sync_payload
 
         with self._served():
             return lora_sync_payload(self.model)
@@ -311,8 +311,14 @@ class Trainer:
 
     # ---- offload between phases (--offload-train) -----------------------------------------------
     def offload(self, parts: Sequence[str] = ("optimizer", "grads", "params")) -> dict[str, float]:
-        """Move `parts` (optimizer state, gradients, parameters with the EMA shadow and the frozen reference) off the
-        device until `onload()` (`miles.utils.offload`: the same storages come back bit for bit)."""
+        """Move `parts` off the device until `onload()` (`miles.utils.offload`: the same storages come back bit for
+        bit; a storage already off stays off, so the parts may go in several calls):
+            optimizer  the optimizer state
+            grads      the gradients
+            frozen     what a LoRA-only sync (`miles.models.lora_sync.lora_only_sync`) does not read: the frozen
+                       parameters (the LoRA base), the buffers, the frozen reference and the EMA shadow unless the
+                       sync serves it; nothing for a trainer whose sync reads the whole model
+            params     the parameters with the buffers, the EMA shadow and the frozen reference"""
         from miles.utils.offload import Offloader, module_tensors, optimizer_tensors
 
         if self._offloader is None:
@@ -323,6 +329,8 @@ class Trainer:
             tensors += optimizer_tensors(self.optimizer)
         if "grads" in parts:
             tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if "frozen" in parts:
+            tensors += self._unread_by_sync()
         if "params" in parts:
             tensors += module_tensors([self.model])
             if self.frozen_reference is not None:
@@ -330,6 +338,22 @@ class Trainer:
             if self.ema is not None:
                 tensors += list(self.ema.shadow.values())
         return self._offloader.offload(tensors).as_metrics()
+
+    def _unread_by_sync(self) -> list[torch.Tensor]:
+        """The tensors of the model a weight sync does not read: under a LoRA-only sync everything but the trainable
+        (adapter) parameters and, when it is served (`_served`), the EMA shadow; under a full sync none."""
+        from miles.models.lora_sync import lora_only_sync
+        from miles.utils.offload import module_tensors
+
+        if not lora_only_sync(self.args):
+            return []
+        tensors = [p for p in self.model.parameters() if not p.requires_grad]
+        tensors += list(self.model.buffers())
+        if self.frozen_reference is not None:
+            tensors += module_tensors([self.frozen_reference])
+        if self.ema is not None and self.args.ema_rollout_policy != "ema":  # else `_served` swaps it in
+            tensors += list(self.ema.shadow.values())
+        return tensors
 
     def onload(self) -> dict[str, float]:
         """Bring back everything `offload` moved."""

@@ -206,7 +206,7 @@ def test_phase_switches_are_offload_and_onload_spans(tmp_path: Path) -> None:
     moves = [(e["name"], e["args"]) for e in spans(tmp_path / "run" / "trace.json") if e["cat"] == "phase"]
     assert moves == [
         ("onload", {"what": "trainers", "rollout_id": 0}),
-        ("offload", {"what": "trainers", "parts": ["optimizer", "grads"], "rollout_id": 0, "bytes": 200}),
+        ("offload", {"what": "trainers", "parts": ["optimizer", "grads", "frozen"], "rollout_id": 0, "bytes": 300}),
     ]
 
 

@@ -1,6 +1,7 @@
 """For every shipped GPU recipe, the static estimate's parameter, buffer, gradient, AdamW, EMA, teacher and engine
 bytes equal the sums over the modules built on the meta device exactly as the trainer and the engine build them
-(the family's classes, the load dtypes, the trainer's `apply_lora`), sharded as FSDP2 shards them."""
+(the family's classes, the load dtypes, the trainer's `apply_lora`), sharded as FSDP2 shards them; in the sync of a
+LoRA-only job under --offload-train the trainer's parameters are its trainable (adapter) shards only."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from miles.memory.shipped import shipped_recipes
 from miles.memory.static import lora_targets, shard_group_size, static_memory
 from miles.models.families import resolve_family
 from miles.models.loading import torch_dtype
+from miles.models.lora_sync import lora_only_sync
 from miles.models.pipeline_config import target_components
 
 torch.set_num_threads(1)
@@ -83,6 +85,11 @@ def test_static_bytes_equal_the_meta_modules(recipe: str) -> None:
         assert got.get("ema", 0) == (want["ema"] if args.use_ema else 0)
         if args.loss_type == "dmd2_critic" and not args.use_lora:
             assert got["teacher"] == want["params"] + want["buffers"]  # a second, frozen copy of the full model
+        sync = _entries(memory, f"{role} 0", "sync") if resolved.spec.generates else {}
+        if sync and not args.fsdp_cpu_offload:  # before a LoRA-only sync only the trainable shards stay
+            whole = not (args.offload_train and lora_only_sync(args))
+            assert sync["params"] == (want["params"] if whole else want["grads"]), role
+            assert ("buffers" in sync) == whole, role
     engines = [s for g in memory.gpus for s in g.slots if s.startswith("engine")]
     if engines:
         args = resolved.args

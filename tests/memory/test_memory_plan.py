@@ -36,56 +36,53 @@ def _peak(out: str) -> float:
 
 
 @pytest.mark.parametrize(
-    ("recipe", "fits"),
+    "recipe",
     [
-        ("sd35-4step", True),
-        ("sd3-ocr-grpo", True),
-        ("qwen-image-pickscore-grpo", True),
-        ("wan22-pickscore-grpo", False),
+        "sd35-4step",
+        "sd3-ocr-grpo",
+        "qwen-image-pickscore-grpo",
+        "wan22-pickscore-grpo",  # fits on 80 GiB since the trainer's frozen base leaves before the LoRA-only sync
     ],
 )
-def test_plan_prints_per_gpu_estimates_of_the_shipped_recipes(capsys, recipe: str, fits: bool) -> None:
+def test_plan_prints_per_gpu_estimates_of_the_shipped_recipes(capsys, recipe: str) -> None:
     rc, out, err = _cli(capsys, "plan", "--recipe", recipe)
     assert "train GiB" in out and "sync GiB" in out and "rollout GiB" in out
     assert "memory: traced actor step" in out  # the activations come from a trace, and say which
     peak = _peak(out)
-    assert 10 < peak < 200
-    if fits:
-        assert rc == 0 and "fits" in out
-    else:  # the recipe needs a 141 GB GPU, or the change the refusal names
-        assert rc == 2 and "--fsdp-cpu-offload ->" in err
+    assert 10 < peak < 80
+    assert rc == 0 and "fits" in out, err
 
 
 def test_a_plan_over_the_gpu_memory_is_refused_with_the_knobs_that_fit(capsys) -> None:
-    rc, out, err = _cli(capsys, "plan", "--recipe", "sd35-4step", "--gpu-memory-gib", "22")
+    rc, out, err = _cli(capsys, "plan", "--recipe", "sd35-4step", "--gpu-memory-gib", "20.5")
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     line = lines[0]
     assert line.startswith("miles: error: the memory plan does not fit: node 0 GPU 0 peaks at ")
-    assert f"{_peak(out):.1f} GiB" in line and "over the 22 GiB per GPU of --gpu-memory-gib" in line
+    assert f"{_peak(out):.1f} GiB" in line and "over the 20.5 GiB per GPU of --gpu-memory-gib" in line
     assert "; fits with: " in line
     changes = re.findall(r"(--[a-z-]+(?: \d+)?) -> ([\d.]+) GiB", line)
     assert len(changes) >= 2, line
     for flags, gib in changes:
-        assert float(gib) <= 22, (flags, gib)  # each change was computed and fits
+        assert float(gib) <= 20.5, (flags, gib)  # each change was computed and fits
     # each number is the plan of the job with that change
     for flags, gib in changes:
         name, _, value = flags.partition(" ")
         more = [name, *([value] if value else [])]
-        rc2, out2, _ = _cli(capsys, "plan", "--recipe", "sd35-4step", "--gpu-memory-gib", "22", *more)
+        rc2, out2, _ = _cli(capsys, "plan", "--recipe", "sd35-4step", "--gpu-memory-gib", "20.5", *more)
         assert rc2 == 0 and _peak(out2) == pytest.approx(float(gib), abs=0.05)
 
 
 def test_when_no_change_fits_the_refusal_says_how_far_each_one_gets(capsys) -> None:
-    """The rollout phase's pipeline (15.3 GiB) bounds sd35-4step: at 20 GiB no change is enough, and the line says
-    what each one computes to."""
-    rc, _, err = _cli(capsys, "plan", "--recipe", "sd35-4step", "--gpu-memory-gib", "20")
+    """The rollout phase's pipeline (15.3 GiB) bounds sd35-4step: at 18.5 GiB no change is enough, and the line says
+    what each one computes to (each under the peak it starts from)."""
+    rc, out, err = _cli(capsys, "plan", "--recipe", "sd35-4step", "--gpu-memory-gib", "18.5")
     assert rc == 2
     line = err.strip()
     assert "; still over with: " in line
     changes = re.findall(r"(--[a-z-]+(?: \d+)?) -> ([\d.]+) GiB", line)
-    assert changes and all(20 < float(gib) < 23.5 for _, gib in changes), line
+    assert changes and all(18.5 < float(gib) < _peak(out) for _, gib in changes), line
 
 
 def test_gpu_memory_zero_turns_the_check_off(capsys) -> None:
@@ -131,7 +128,7 @@ def test_inspect_config_prints_the_memory_plan_under_the_plan(capsys) -> None:
 
 def test_the_gpu_view_counts_sglang_engines_on_a_machine_without_gpus() -> None:
     """Here `--rollout-backend auto` resolves to diffusers; the plan estimates what a GPU cluster runs (sglang), so
-    the in-process engine's LoRA base copies are not counted for it."""
+    neither the in-process engine's LoRA merge nor its base copies (host memory) are named for it."""
     from miles.memory.estimate import estimate_memory
 
     resolved = resolve(None, recipe="sd3-ocr-grpo")
@@ -139,10 +136,13 @@ def test_the_gpu_view_counts_sglang_engines_on_a_machine_without_gpus() -> None:
     estimate = estimate_memory(resolved)
     assert any("sglang" in n for n in estimate.notes)
     names = {e.name for g in estimate.gpus for es in g.phases.values() for e in es}
-    assert "lora_merger/base_copies" not in names and "pipeline" in names
+    assert "lora_merger/merge" not in names and "pipeline" in names
+    assert not any("lora_merger/base_copies" in n for n in estimate.notes)
     explicit = estimate_memory(resolve(None, recipe="sd3-ocr-grpo", cli={"rollout_backend": "diffusers"}))
     names = {e.name for g in explicit.gpus for es in g.phases.values() for e in es}
-    assert "lora_merger/base_copies" in names  # asked for by name: the diffusers engine's own copies
+    # asked for by name: the diffusers engine merges one module at a time on the GPU, its base copies on the host
+    assert "lora_merger/merge" in names and "lora_merger/base_copies" not in names
+    assert any(n.startswith("lora_merger/base_copies") and "host memory" in n for n in explicit.notes)
 
 
 def test_shipped_traces_cover_every_step_the_shipped_plans_ask_for(monkeypatch) -> None:

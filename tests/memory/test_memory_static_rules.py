@@ -1,6 +1,7 @@
 """The static estimate's rules on the shipped recipes' real sizes: torch-free and instant, and each flag moves the
 bytes the trainer and engine code move (offload between phases, --fsdp-cpu-offload, HSDP, EMA, DMD2's teacher, the
-weight-sync bucket, the diffusers engine's LoRA base copies)."""
+weight-sync bucket, the frozen base off the device before a LoRA-only sync, the diffusers engine's LoRA base copies
+in host memory)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from miles.config.resolve import resolve
-from miles.memory.static import TRAIN, static_memory
+from miles.memory.static import LORA_BASE_COPIES, TRAIN, denoiser_of, shard_group_size, static_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 MASTER_FP32 = 4
@@ -43,6 +44,23 @@ def test_the_estimate_imports_no_torch_and_is_instant(tmp_path: Path) -> None:
     assert float(lines["SECONDS"]) < 5.0  # nine recipes (about 0.3 s here)
 
 
+def _adapter_shard_bytes(resolved) -> int:
+    from miles.memory.cache import model_counts
+    from miles.memory.config_dirs import config_dir_for
+    from miles.memory.static import lora_targets
+    from miles.models.families import args_family
+    from miles.models.pipeline_config import target_components
+
+    args = resolved.args
+    family = args_family(args)
+    components = family.denoiser_components(target_components(args.update_weight_target_module))
+    counts = model_counts(
+        config_dir_for(str(args.hf_checkpoint), family), family, components, [lora_targets(args, family)]
+    )
+    denoiser, _ = denoiser_of(counts, family, args)
+    return denoiser.sharded_bytes(shard_group_size(args), "adapters")
+
+
 def test_colocated_phases_follow_the_offload_switches() -> None:
     memory = static_memory(resolve(None, recipe="sd3-ocr-grpo"))
     train, sync, rollout = (_on(memory, "actor 0", p) for p in ("train", "sync", "rollout"))
@@ -51,11 +69,42 @@ def test_colocated_phases_follow_the_offload_switches() -> None:
     assert not rollout  # parameters too after the sync
     engine = {p: _on(memory, "engine 0", p) for p in ("train", "sync", "rollout")}
     assert "pipeline" not in engine["train"] and "pipeline" in engine["sync"] and "pipeline" in engine["rollout"]
-    # the diffusers engine's LoRA-only merge keeps base copies, released with the pipeline while the trainer trains
-    assert "lora_merger/base_copies" not in engine["train"]
-    assert engine["sync"]["lora_merger/base_copies"] == engine["rollout"]["lora_merger/base_copies"] > 0
+    # the diffusers engine's LoRA-only merge keeps its base copies in host memory: no GPU bytes, a note with the size;
+    # on the GPU only one module's base and its fp32 merge, in the sync
+    assert not any(name == LORA_BASE_COPIES for phase in engine.values() for name in phase)
+    (note,) = [n for n in memory.notes if n.startswith(LORA_BASE_COPIES)]
+    assert "GiB per engine" in note and "host memory" in note
+    assert "lora_merger/merge" not in engine["train"] and "lora_merger/merge" not in engine["rollout"]
+    assert 0 < engine["sync"]["lora_merger/merge"] < engine["sync"]["pipeline"] // 20
     gpu, phase, peak = memory.peak()
-    assert phase == "sync" and peak == gpu.total("sync")  # trainer parameters and the woken engine together
+    assert phase == "sync" and peak == gpu.total("sync")  # the trainer's adapters and the woken engine together
+
+
+def test_a_lora_only_sync_holds_only_the_adapters_a_full_sync_the_whole_model() -> None:
+    """Before a LoRA-only sync `--offload-train` drops the frozen base, the buffers and the frozen reference
+    (`Trainer.offload`'s "frozen"): the sync phase counts the adapters' shards only; a full sync reads the whole
+    model, which stays as before."""
+    frozen = {"ref_mode": "frozen"}
+    resolved = resolve(None, recipe="sd3-ocr-grpo", cli=frozen)
+    lora_only = static_memory(resolved)
+    full = static_memory(resolve(None, recipe="sd3-ocr-grpo", cli=frozen | {"lora_ipc_weight_sync": False}))
+    adapters = _adapter_shard_bytes(resolved)
+    train, sync = _on(lora_only, "actor 0", "train"), _on(lora_only, "actor 0", "sync")
+    assert train["params"] > sync["params"] == adapters > 0
+    assert train["buffers"] > 0 and train["ref/frozen"] == train["params"]
+    assert not {"buffers", "ref/frozen", "ref/frozen_buffers"} & set(sync)
+    assert sync["sync/bucket"] > 0  # what the sync itself needs stays
+    full_train, full_sync = _on(full, "actor 0", "train"), _on(full, "actor 0", "sync")
+    for name in ("params", "buffers", "ref/frozen", "ref/frozen_buffers"):
+        assert full_sync[name] == full_train[name] == train[name] > 0  # the same model, kept through a full sync
+    assert not any(n.startswith(LORA_BASE_COPIES) for n in full.notes)  # a full update drops the base copies
+
+
+def test_the_ema_stays_for_the_sync_only_when_it_is_served() -> None:
+    served = _on(static_memory(resolve(None, recipe="sd3-pickscore-nft")), "actor 0", "sync")
+    live = static_memory(resolve(None, recipe="sd3-pickscore-nft", cli={"ema_rollout_policy": "live"}))
+    assert served["ema"] > 0 and served["ema/swap_backup"] > 0  # --ema-rollout-policy ema swaps it in
+    assert "ema" not in _on(live, "actor 0", "sync") and "ema" in _on(live, "actor 0", "train")
 
 
 def test_without_colocation_each_gpu_keeps_its_state() -> None:

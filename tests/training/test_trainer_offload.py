@@ -1,5 +1,6 @@
 """--offload-train / --offload-rollout mechanics in-process: a trainer's FSDP2 parameters, gradients,
-optimizer state and EMA, and an engine's pipeline, leave the device and come back bit for bit."""
+optimizer state and EMA, and an engine's pipeline, leave the device and come back bit for bit; before a LoRA-only
+sync the trainer's frozen base leaves too, and the sync reads the same adapters."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from trainer_helpers import free_port, trainer_args
 
+from miles.runtime.phases import BEFORE_SYNC
 from miles.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -63,6 +65,86 @@ def test_trainer_round_trip_is_bit_exact_and_training_goes_on_identically(tiny_s
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+LORA = {"use_lora": True, "lora_rank": 4, "lora_alpha": 8, "lr": 1e-2, "lora_init_weights": "gaussian"}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (their FSDP2 local shards)."""
+    seen = {}
+    for t in tensors:
+        storage = getattr(t, "_local_tensor", t).untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _optimizer_bytes(trainer: Trainer) -> int:
+    return _storage_bytes(v for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+
+
+@pytest.mark.parametrize(("ref_mode", "policy"), [("frozen", "ema"), ("ema", "live")])
+def test_before_a_lora_only_sync_the_frozen_base_leaves_and_the_sync_reads_the_same_adapters(
+    tiny_sd3_dir: Path, rollout, ref_mode: str, policy: str
+) -> None:
+    """`Phases.to_sync`'s offload of a LoRA-only-sync trainer: optimizer state, gradients and everything the sync does
+    not read (frozen base, buffers, frozen reference; the EMA shadow unless --ema-rollout-policy ema serves it) leave
+    the device, the adapters stay and `weights_for_sync()` gives the same payload bit for bit; `to_rollout` takes
+    the rest and the onload brings every byte back."""
+    _, batch = rollout
+    sync = {"lora_ipc_weight_sync": True, "colocate": True, "use_ema": True, "ema_rollout_policy": policy}
+    trainer = Trainer(trainer_args(tiny_sd3_dir, **LORA, **sync, ref_mode=ref_mode), master_port=free_port())
+    trainer.train(0, batch.samples)
+    before = _snapshot(trainer)
+    payload = trainer.weights_for_sync()
+    assert payload and all("lora_" in name for name in payload)
+    adapters = [p for p in trainer.model.parameters() if p.requires_grad]
+    base = [p for p in trainer.model.parameters() if not p.requires_grad]
+    buffers = list(trainer.model.buffers())
+    frozen = trainer.frozen_reference
+    reference = [*frozen.parameters(), *frozen.buffers()] if frozen is not None else []
+    assert (ref_mode == "frozen") == bool(reference)
+    shadow = list(trainer.ema.shadow.values())
+    assert adapters and base and shadow
+    reference_before = [_full(t) for t in reference]
+    leaving = base + buffers + reference + (shadow if policy == "live" else [])
+    expected = _optimizer_bytes(trainer) + _storage_bytes(leaving)
+
+    moved = trainer.offload(BEFORE_SYNC)
+    assert moved["bytes"] == expected
+    assert all(_local_bytes(t) == 0 for t in leaving)
+    assert all(_local_bytes(p) > 0 for p in adapters)  # what the sync reads stays
+    assert all((_local_bytes(t) > 0) == (policy == "ema") for t in shadow)
+    again = trainer.weights_for_sync()
+    assert again.keys() == payload.keys() and all(torch.equal(again[k], payload[k]) for k in payload)
+
+    rest = trainer.offload(("params",))  # to_rollout: the storages already off stay off, the rest follows
+    assert all(_local_bytes(t) == 0 for t in adapters + shadow)
+    assert trainer.onload()["bytes"] == moved["bytes"] + rest["bytes"]
+    after = _snapshot(trainer)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(a, _full(b)) for a, b in zip(reference_before, reference, strict=True))
+
+
+def test_a_full_sync_trainer_keeps_its_whole_model_through_to_sync(tiny_sd3_dir: Path, rollout) -> None:
+    """A LoRA trainer whose sync pushes the merged model (no --lora-ipc-weight-sync) reads every parameter in the
+    sync: `to_sync` moves only optimizer state and gradients, as before (the frozen reference and EMA stay too)."""
+    _, batch = rollout
+    args = trainer_args(tiny_sd3_dir, **LORA, use_ema=True, ema_rollout_policy="ema", ref_mode="frozen")
+    trainer = Trainer(args, master_port=free_port())
+    trainer.train(0, batch.samples)
+    optimizer = _optimizer_bytes(trainer)
+    before = _snapshot(trainer)
+    moved = trainer.offload(BEFORE_SYNC)
+    assert moved["bytes"] == optimizer > 0
+    kept = [*trainer.model.parameters(), *trainer.model.buffers(), *trainer.frozen_reference.parameters()]
+    assert all(_local_bytes(t) > 0 for t in kept)
+    assert all(_local_bytes(t) > 0 for t in trainer.ema.shadow.values())
+    state = trainer.weights_for_sync()
+    assert not any("lora_" in name for name in state)  # the merged model
+    assert trainer.onload()["bytes"] == moved["bytes"]
+    after = _snapshot(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_engine_round_trip_generates_the_same_samples(rollout) -> None:
     manager, batch = rollout
     engine = manager.engines[0]
@@ -84,8 +166,9 @@ def test_engine_round_trip_generates_the_same_samples(rollout) -> None:
 
 
 def test_engine_offload_releases_the_lora_merger_base_copies(rollout) -> None:
-    """A LoRA-only sync leaves a base copy of each adapted weight on the engine's device; --offload-rollout releases
-    it with the pipeline and the onload brings it back bit for bit (the next merge starts from it)."""
+    """A LoRA-only sync leaves a base copy of each adapted weight in host memory, which on this CPU engine is its
+    device: --offload-rollout releases it with the pipeline and the onload brings it back bit for bit (the next merge
+    starts from it). Next to GPU weights the copies are pinned host memory already, and the offload leaves them."""
     manager, _ = rollout
     engine = manager.engines[0]
     name = next(n for n, _ in engine.transformer.named_parameters() if n.endswith("attn.to_q.weight"))

@@ -141,9 +141,10 @@ class DiffusersEngine:
         return True
 
     def offload(self) -> dict[str, float]:
-        """Release the pipeline's weights (every module's parameters and buffers) and the LoRA merger's base
-        copies while the trainer runs (--offload-rollout); `onload` brings the same bytes back before the next
-        weight sync needs them (`miles.utils.offload`)."""
+        """Release the pipeline's weights (every module's parameters and buffers) while the trainer runs
+        (--offload-rollout); `onload` brings the same bytes back before the next weight sync needs them
+        (`miles.utils.offload`). The LoRA merger's base copies are in host memory next to GPU weights (not moved);
+        on a CPU engine they move with the pipeline."""
         from miles.utils.offload import Offloader, module_tensors
 
         if self._offloader is None:

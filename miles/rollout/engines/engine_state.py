@@ -57,12 +57,7 @@ class RecoverableEngine:
         with torch.no_grad():
             for name, tensor in payload["state"].items():
                 own[name].copy_(tensor.to(own[name].device, own[name].dtype))
-        weights = dict(self.transformer.named_parameters())
-        self.lora_merger.base = {
-            k: v.to(weights[f"{k}.weight"].device, weights[f"{k}.weight"].dtype)
-            for k, v in payload["lora_base"].items()
-        }
-        self.lora_merger.pending = {}
+        self.lora_merger.restore(self.transformer, payload["lora_base"])  # in host memory, as the merger keeps them
         self.weight_version = int(payload["version"])
         return len(payload["state"])
 
