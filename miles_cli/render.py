@@ -120,13 +120,20 @@ def print_plan_json(plan: Plan, estimate: MemoryEstimate | None = None) -> None:
 
 
 def print_recipes() -> None:
+    """One line per recipe (name, job, description); a recipe that names the curve to expect (`expect:`, the GPU
+    recipes: the anchor's published numbers and their source) has it on an indented line below."""
+    import textwrap
+
     from miles.config.layering import load_config_file
     from miles.config.recipes import shipped_recipes
 
     rows = []
     for name, path in shipped_recipes().items():
         cfg = load_config_file(path, f"recipe {name}")
-        rows.append((name, cfg.job or "-", cfg.description))
+        rows.append((name, cfg.job or "-", cfg.description, cfg.expect))
     width = max((len(r[0]) for r in rows), default=0)
-    for name, job, description in rows:
+    indent = "    "
+    for name, job, description, expect in rows:
         print(f"{name:<{width}}  {job:<12}  {description}")
+        if expect:
+            print(textwrap.fill(f"expect: {expect}", 140, initial_indent=indent, subsequent_indent=indent + "  "))

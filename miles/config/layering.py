@@ -18,7 +18,7 @@ from miles.config.resolution import EXTRA_FIELDS, Resolution
 from miles.core.errors import ConfigError
 
 # Top-level keys of a recipe / YAML that are not flags.
-META_KEYS = ("job", "description", "trainers", "custom", "sglang_args")
+META_KEYS = ("job", "description", "expect", "trainers", "custom", "sglang_args")
 
 
 @dataclass
@@ -38,6 +38,11 @@ class ConfigFile:
     @property
     def description(self) -> str:
         return str(self.data.get("description") or "")
+
+    @property
+    def expect(self) -> str:
+        """What a run of the recipe should show (a GPU recipe: the anchor's published curve, with its source)."""
+        return " ".join(str(self.data.get("expect") or "").split())
 
     def where(self, key: str) -> str:
         line = self.lines.get(key)
@@ -76,7 +81,7 @@ def apply_file(res: Resolution, cfg: ConfigFile, source: str) -> None:
     """Lay a recipe's or YAML's keys onto `res` with `source` (recipe or yaml)."""
     for key, raw in cfg.data.items():
         key = str(key)
-        if key in ("job", "description"):
+        if key in ("job", "description", "expect"):
             continue
         if key == "trainers":
             _apply_trainers(res, cfg, raw)

@@ -210,9 +210,13 @@ def test_unknown_recipe_suggests_a_shipped_one(cli: Run) -> None:
 def test_recipes_lists_every_shipped_recipe(cli: Run) -> None:
     code, out, _ = cli("recipes")
     assert code == 0
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    names = [line.split()[0] for line in out.splitlines() if line.strip() and not line.startswith(" ")]
     assert sorted(names) == sorted(shipped_recipes())
     assert "dmd2" in out
+    # the GPU recipes name the curve to expect, with its source, on the lines below their own
+    expects = [line.strip() for line in out.splitlines() if line.lstrip().startswith("expect: ")]
+    assert len(expects) >= 9
+    assert "eval/pickscore_test about 0.78 after 100" in " ".join(out.split())
 
 
 # ---- argv shapes ----------------------------------------------------------------------------------------------
