@@ -12,6 +12,8 @@ Session fixtures (built once, reused by every test directory):
   tiny_clip            a tiny random CLIP model + processor saved offline (PickScore's shape)
   diffusers_rollouts   one `miles rollout-only` run on the in-process engine (2 small rollouts), read by the
                        rollout-only, replay and sglang-comparison tests (treat it as read-only)
+  small_digit_eval     `--eval-prompt-data digits FILE`: one prompt per digit, for jobs whose recipe evaluates
+                       digits:test (360 prompts, ~20 s) after its last rollout and whose test is not about that
 Module fixture:
   local_ray            a fresh local Ray (2 CPUs, 256 MiB object store) for the module's tests; the ray module
 Function fixture:
@@ -213,3 +215,13 @@ def diffusers_rollouts(tiny_sd3_dir: Path, tmp_path_factory: pytest.TempPathFact
     argv = ["rollout-only", *flags, "--output-dir", str(run.out)]
     assert main([*argv, "--save-debug-rollout-data", str(run.debug / "r{rollout_id}.pt")]) == 0
     return run
+
+
+@pytest.fixture(scope="session")
+def small_digit_eval(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    import json
+
+    path = tmp_path_factory.mktemp("eval") / "ten_digits.jsonl"
+    rows = [{"input": f"a handwritten digit {d}", "metadata": {"label": d}} for d in range(10)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return ["--eval-prompt-data", "digits", str(path)]

@@ -57,8 +57,12 @@ def test_explicit_cuda_generator_is_refused_without_gpus(capsys: pytest.CaptureF
 
 def test_cpu_generator_is_kept_and_a_job_without_engines_keeps_its_value() -> None:
     assert run(diffusion_generator_device="cpu").args.diffusion_generator_device == "cpu"
-    sft = resolve("sft", recipe="tiny-digits-sft", cli={"diffusion_generator_device": "cuda"}).args
-    assert sft.diffusion_generator_device == "cuda"  # train-only SFT runs no engine: nothing draws noise
+    sft = resolve("sft", recipe="wan22-lora-sft", cli={"diffusion_generator_device": "cuda"}).args
+    assert sft.diffusion_generator_device == "cuda"  # SFT without eval sets runs no engine: nothing draws noise
+    if not gpus_present():  # with eval sets it evaluates after its last iteration on an engine drawing on CUDA
+        with pytest.raises(ConfigError) as excinfo:
+            resolve("sft", recipe="tiny-digits-sft", cli={"diffusion_generator_device": "cuda"})
+        assert_names(str(excinfo.value), "--diffusion-generator-device cuda (cli)", "needs CUDA")
 
 
 @pytest.mark.parametrize("value", ["gpu", "cpu:0", "cuda:x", "mps"])
@@ -76,7 +80,7 @@ def test_distributed_post_is_refused_for_the_in_process_engine() -> None:
 
 def test_distributed_post_is_refused_for_a_job_without_engines() -> None:
     with pytest.raises(ConfigError) as excinfo:
-        resolve("sft", recipe="tiny-digits-sft", cli={"use_distributed_post": True})
+        resolve("sft", recipe="wan22-lora-sft", cli={"use_distributed_post": True})
     assert_names(str(excinfo.value), "--use-distributed-post on (cli)", "`miles train sft` runs no rollout engines")
 
 

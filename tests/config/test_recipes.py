@@ -156,7 +156,7 @@ def test_family_recipes_resolve_their_family_and_guidance(name: str, family: str
     [
         ("tiny-wan2_2-digits-sft", 5, 2),
         ("tiny-wan2_2-digits-grpo", 5, 1),
-        ("wan22-pickscore-grpo", 1, 1),
+        ("wan22-pickscore-grpo", 5, 1),
         ("wan22-lora-sft", 81, 2),
     ],
 )

@@ -21,12 +21,13 @@ SMALL += ["--diffusion-dpo-num-timesteps", "2", "--lr", "1e-3"]
 FLUX = ["--diffusion-guidance-scale", "3.5", "--diffusion-true-cfg-scale", "4.0"]
 
 
-def test_online_dpo_on_tiny_flux(tiny_flux_dir: Path, tmp_path: Path) -> None:
+def test_online_dpo_on_tiny_flux(tiny_flux_dir: Path, tmp_path: Path, small_digit_eval: list[str]) -> None:
     out = tmp_path / "dpo"
     argv = ["train", "rl", "--recipe", "tiny-digits-dpo", "--hf-checkpoint", str(tiny_flux_dir), *SMALL, *FLUX]
-    assert main([*argv, "--num-rollout", "2", "--output-dir", str(out)]) == 0
-    rows = read_metrics(out / "metrics.jsonl")
+    assert main([*argv, *small_digit_eval, "--num-rollout", "2", "--output-dir", str(out)]) == 0
+    *rows, final = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert final["rollout_id"] == 2 and final["eval/digits/num_samples"] == 10  # the eval set after the last
     for row in rows:
         assert 0.0 <= row["rollout/reward/raw_mean"] <= 1.0
         assert row["train/pairs"] + row["train/tied_groups"] == 2  # one pair per group, or a tie
@@ -42,17 +43,20 @@ def test_online_dpo_on_tiny_flux(tiny_flux_dir: Path, tmp_path: Path) -> None:
     assert "loss_type: dpo" in config and "ref_mode: frozen" in config
 
 
-def test_offline_dpo_train_sft_on_a_preference_set(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+def test_offline_dpo_train_sft_on_a_preference_set(
+    tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
+) -> None:
     from miles.data.digit_preferences import write_digit_preference_data
 
     files = write_digit_preference_data(tmp_path / "prefs", limit=16)
     out = tmp_path / "offline"
     argv = ["train", "sft", "--recipe", "tiny-digits-dpo-offline", "--hf-checkpoint", str(tiny_sd3_dir)]
     argv += ["--prompt-data", str(files["train"]), "--global-batch-size", "4", "--micro-batch-size", "4"]
-    argv += ["--num-rollout", "3", "--lr", "1e-3", "--output-dir", str(out)]
+    argv += ["--num-rollout", "3", "--lr", "1e-3", "--output-dir", str(out), *small_digit_eval]
     assert main(argv) == 0
-    rows = read_metrics(out / "metrics.jsonl")
+    *rows, final = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    assert final["rollout_id"] == 3 and 0.0 <= final["eval/digits/accuracy"] <= 1.0  # after the last iteration
     assert rows[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert all(r["train/pairs"] == 4 for r in rows)
     assert rows[-1]["train/loss"] != pytest.approx(math.log(2), abs=1e-6)

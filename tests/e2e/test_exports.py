@@ -42,9 +42,10 @@ print(json.dumps({"lora_vs_merged": float((a - b).abs().max()), "lora_vs_base": 
 
 
 @pytest.fixture(scope="module")
-def run(tiny_sd3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run(tiny_sd3_dir: Path, tmp_path_factory: pytest.TempPathFactory, small_digit_eval: list[str]) -> Path:
     out = tmp_path_factory.mktemp("exports") / "run"
     argv = [*CLI, "train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir), *SMALL]
+    argv += small_digit_eval  # evaluated after the last rollout: 10 prompts, not digits:test's 360
     argv += ["--num-rollout", "2", "--use-lora", "--lora-rank", "4", "--lora-alpha", "4", "--lr", "1e-2"]
     argv += ["--export-interval", "1", "--export-merged", "--output-dir", str(out), "--save", str(out / "ckpt")]
     argv += ["--save-interval", "1"]

@@ -43,9 +43,12 @@ def _run(argv: list[str], on_line=None, timeout: float = 600.0) -> tuple[int, st
     return proc.wait(timeout=120), "".join(lines)
 
 
-def test_train_rl_completes_when_ci_fault_injection_kills_an_engine(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+def test_train_rl_completes_when_ci_fault_injection_kills_an_engine(
+    tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
+) -> None:
     out = tmp_path / "run"
     argv = ["train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir), *SMALL]
+    argv += small_digit_eval
     argv += ["--num-rollout", "3", "--use-fault-tolerance", "--rollout-health-check-interval", "2"]
     argv += ["--ci-test", "--ci-metric-checker-key", "rollout/num_samples", "--ci-metric-checker-threshold", "8"]
     rc, text = _run([*argv, "--output-dir", str(out)])
@@ -54,9 +57,10 @@ def test_train_rl_completes_when_ci_fault_injection_kills_an_engine(tiny_sd3_dir
     restarted = [line for line in text.splitlines() if "restarted diffusers engine 0" in line]
     assert len(restarted) == 1, text[-4000:]
     assert "weights of sync 2 re-pushed, verified (" in restarted[0]  # rollout 2 samples with version 2
-    rows = read_metrics(out / "metrics.jsonl")
+    *rows, final = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
     assert all(r["rollout/num_samples"] == 8.0 for r in rows)
+    assert final["rollout_id"] == 3 and final["eval/digits/num_samples"] == 10  # the restarted engine evaluates
     assert "CI check passed: rollout/num_samples = 8" in text
 
 

@@ -34,12 +34,14 @@ METHODS = {
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_tiny_flux_trains_two_rollouts(method: str, tiny_flux_dir: Path, tmp_path: Path) -> None:
+def test_tiny_flux_trains_two_rollouts(
+    method: str, tiny_flux_dir: Path, tmp_path: Path, small_digit_eval: list[str]
+) -> None:
     out = tmp_path / "run"
     argv = ["train", "rl", "--recipe", "tiny-flux-digits-grpo", "--hf-checkpoint", str(tiny_flux_dir), *SMALL]
-    assert main([*argv, *METHODS[method], "--output-dir", str(out)]) == 0
-    rows = read_metrics(out / "metrics.jsonl")
-    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert main([*argv, *METHODS[method], *small_digit_eval, "--output-dir", str(out)]) == 0
+    *rows, final = read_metrics(out / "metrics.jsonl")
+    assert [r["rollout_id"] for r in rows] == [0, 1] and "eval/digits/accuracy" in final
     for row in rows:
         assert torch.isfinite(torch.tensor(row["train/loss"])) and row["train/grad_norm"] > 0
         assert row["rollout/denoiser_calls"] < 8 * 6  # 8 samples of 6 steps, each its own: 48

@@ -99,20 +99,22 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_a_remote_digit_reward_gives_the_in_process_runs_metrics(
-    tiny_sd3_dir: Path, tmp_path: Path, env: dict[str, str]
+    tiny_sd3_dir: Path, tmp_path: Path, env: dict[str, str], small_digit_eval: list[str]
 ) -> None:
     service = Service(tmp_path, ["--rm-type", "digit", "--hf-checkpoint", str(tiny_sd3_dir)], env).start()
     try:
-        rc, text, _ = run_job(tmp_path / "local", ["--num-rollout", "3"], env, tiny_sd3_dir)
+        rc, text, _ = run_job(tmp_path / "local", ["--num-rollout", "3", *small_digit_eval], env, tiny_sd3_dir)
         assert rc == 0, text[-3000:]
         remote = ["--num-rollout", "3", "--rm-type", "remote_rm", "--rm-url", service.url, "--rm-batch-size", "3"]
+        remote += small_digit_eval
         rc, text, _ = run_job(tmp_path / "remote", remote, env, tiny_sd3_dir)
         assert rc == 0, text[-3000:]
     finally:
         service.stop()
     local, served = metrics(tmp_path / "local"), metrics(tmp_path / "remote")
-    assert len(local) == len(served) == 3
-    assert served == local  # every metric of every rollout, to the bit
+    assert len(local) == len(served) == 4  # three rollouts, then the eval set (scored by the service too)
+    assert served == local  # every metric of every rollout and of the final eval, to the bit
+    assert local[3]["eval/digits/num_samples"] == 10
     assert local[0]["rollout/reward/raw_mean"] > 0
 
 
@@ -135,7 +137,7 @@ def test_a_dead_service_without_fault_tolerance_ends_the_job_in_one_line(
 
 
 def test_a_dead_service_with_fault_tolerance_is_waited_for_and_every_sample_scored(
-    tiny_sd3_dir: Path, tmp_path: Path, env: dict[str, str]
+    tiny_sd3_dir: Path, tmp_path: Path, env: dict[str, str], small_digit_eval: list[str]
 ) -> None:
     argv = ["--custom-rm-path", "job_rewards.digit_or_die", "--hf-checkpoint", str(tiny_sd3_dir)]
     service = Service(tmp_path, argv, env).start()
@@ -154,7 +156,7 @@ def test_a_dead_service_with_fault_tolerance_is_waited_for_and_every_sample_scor
     thread.start()
     try:
         extra = ["--num-rollout", "2", "--rm-type", "remote_rm", "--rm-url", service.url, "--use-fault-tolerance"]
-        extra += ["--rm-fault-wait", "60"]
+        extra += ["--rm-fault-wait", "60", *small_digit_eval]
         rc, text, _ = run_job(tmp_path / "run", extra, env, tiny_sd3_dir)
     finally:
         stop.set()
@@ -162,7 +164,7 @@ def test_a_dead_service_with_fault_tolerance_is_waited_for_and_every_sample_scor
         service.stop()
     assert rc == 0, text[-3000:]
     assert (tmp_path / "died").is_file() and len(restarts) == 1
-    rows = metrics(tmp_path / "run")
-    assert [r["rollout_id"] for r in rows] == [0, 1]
+    *rows, final = metrics(tmp_path / "run")
+    assert [r["rollout_id"] for r in rows] == [0, 1] and final["eval/digits/num_samples"] == 10
     assert all(r["rollout/num_samples"] == 8.0 for r in rows)  # 2 prompts x 4 samples, every one scored
     assert all(0 < r["rollout/reward/raw_mean"] <= 1 for r in rows)

@@ -38,13 +38,17 @@ def _rl(tiny_sd3_dir: Path, out: Path, *extra: str) -> list[dict]:
     return read_metrics(out / "metrics.jsonl")
 
 
-def test_train_rl_frozen_weights_recompute_matches_the_rollout(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+def test_train_rl_frozen_weights_recompute_matches_the_rollout(
+    tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
+) -> None:
     """The alignment probe (--debug-skip-optimizer-step --diffusion-debug-mode) with --dump-details; then the
-    dumped rollouts trained on with no engine (--train-only --load-debug-rollout-data), and --debug-rollout-only."""
+    dumped rollouts trained on with no engine (--train-only --load-debug-rollout-data), and --debug-rollout-only.
+    The eval set is evaluated after the last rollout (no --eval-interval), except where no engine runs."""
     dump = tmp_path / "dump"
-    probe = ("--debug-skip-optimizer-step", "--diffusion-debug-mode")
-    rows = _rl(tiny_sd3_dir, tmp_path / "frozen", "--num-rollout", "2", *probe, "--dump-details", str(dump))
+    probe = ("--debug-skip-optimizer-step", "--diffusion-debug-mode", *small_digit_eval)
+    *rows, final = _rl(tiny_sd3_dir, tmp_path / "frozen", "--num-rollout", "2", *probe, "--dump-details", str(dump))
     assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert final["rollout_id"] == 2 and final["eval/digits/num_samples"] == 10 and "train/loss" not in final
     for row in rows:
         assert row["train/log_prob_mean_abs_diff"] <= 1e-5
         assert row["train/model_output_mean_abs_diff"] == 0.0 and row["train/model_output_max_abs_diff"] == 0.0
@@ -71,7 +75,9 @@ def test_train_rl_frozen_weights_recompute_matches_the_rollout(tiny_sd3_dir: Pat
     for row, original in zip(replayed, rows, strict=True):
         assert row["train/log_prob_mean_abs_diff"] == pytest.approx(original["train/log_prob_mean_abs_diff"], abs=1e-9)
         assert row["train/model_output_mean_abs_diff"] == 0.0 and "rollout/reward/raw_mean" not in row
-    only = _rl(tiny_sd3_dir, tmp_path / "rollout-only", "--num-rollout", "1", "--debug-rollout-only")
+    only = _rl(
+        tiny_sd3_dir, tmp_path / "rollout-only", "--num-rollout", "1", "--debug-rollout-only", *small_digit_eval
+    )
     assert (tmp_path / "rollout-only" / "rollout_0.pt").is_file()
     assert "rollout/reward/raw_mean" in only[0] and not any(k.startswith("train/") for k in only[0])
 
@@ -103,12 +109,17 @@ def test_replay_trains_on_a_saved_rollout_without_engines(diffusers_rollouts, tm
     assert row["train/log_prob_mean_abs_diff"] <= 1e-5  # the rollout's policy, recomputed by the trainer
 
 
-def test_train_sft_then_eval_of_its_checkpoint(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+def test_train_sft_then_eval_of_its_checkpoint(
+    tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
+) -> None:
     out = tmp_path / "sft"
-    argv = ["train", "sft", "--recipe", "tiny-digits-sft", "--hf-checkpoint", str(tiny_sd3_dir)]
+    argv = ["train", "sft", "--recipe", "tiny-digits-sft", "--hf-checkpoint", str(tiny_sd3_dir), *small_digit_eval]
     assert main([*argv, "--num-rollout", "20", "--export-interval", "15", "--output-dir", str(out)]) == 0
-    rows = read_metrics(out / "metrics.jsonl")
+    *rows, final = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 20 and rows[-1]["train/loss"] < rows[0]["train/loss"]
+    # the eval set after the last iteration, without --eval-interval (one in-process engine, the trained weights)
+    assert final["rollout_id"] == 20 and final["eval/digits/num_samples"] == 10
+    assert (out / "images" / "eval_digits_20.png").is_file()
     assert (out / "checkpoint" / "transformer").is_dir()
     # --export-interval 15: after iteration 15 and after the last (20), the merged pipeline (no LoRA)
     exports = out / "exports"

@@ -18,15 +18,15 @@ MODELS = sorted(shipped_models().items(), key=lambda kv: kv[0].name)
 SD35 = next(d for d, _ in MODELS if d.name == "stable-diffusion-3.5-medium")
 # trainable parameters of each shipped GPU recipe's trainers (its rank, its targets or the family's)
 TRAINABLE = {
-    "cosmos3-pickscore-t2i": {"actor": 30_670_848},  # r32, GEN attention only (the recipe's targets)
-    "flux-pickscore-grpo": {"actor": 130_844_672},  # r32
-    "ltx23-pickscore-grpo": {"actor": 308_281_344},  # r32
-    "qwen-image-pickscore-grpo": {"actor": 212_336_640},  # r32
+    "cosmos3-pickscore-t2i": {"actor": 61_341_696},  # r64, GEN attention only (the recipe's targets)
+    "flux-pickscore-grpo": {"actor": 261_689_344},  # r64 (r32: 130,844,672, exactly half)
+    "ltx23-pickscore-grpo": {"actor": 616_562_688},  # r64
+    "qwen-image-pickscore-grpo": {"actor": 424_673_280},  # r64
     "sd3-ocr-grpo": {"actor": 18_776_064},  # r32 on the joint attention (attn.*)
     "sd3-pickscore-nft": {"actor": 18_776_064},  # r32
-    "sd35-4step": {"critic": 2_243_171_520, "actor": 37_552_128},  # full critic; r64 student
-    "wan22-lora-sft": {"actor": 306_708_480},  # r32, both experts
-    "wan22-pickscore-grpo": {"actor": 306_708_480},  # r32, both experts
+    "sd35-4step": {"critic": 2_243_171_520, "actor": 83_755_008},  # full critic; r64 student, attention + FFNs
+    "wan22-lora-sft": {"actor": 613_416_960},  # r64, both experts
+    "wan22-pickscore-grpo": {"actor": 613_416_960},  # r64, both experts
 }
 
 

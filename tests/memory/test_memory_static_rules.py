@@ -172,7 +172,12 @@ def test_the_frozen_reference_is_a_second_copy_of_the_params() -> None:
     """--ref-mode frozen (dpo's automatic reference without LoRA) holds a frozen copy of the start weights, sharded
     like the params and moved with them by --offload-train; under LoRA dpo's reference is the model's own base."""
     full = {"loss_type": "dpo", "use_lora": False, "lora_ipc_weight_sync": False, "use_ema": False}
-    full |= {"ema_rollout_policy": "live", "globalize_reward_std": False, "ref_mode": "frozen"}
+    full |= {
+        "ema_rollout_policy": "live",
+        "globalize_reward_std": False,
+        "ref_mode": "frozen",
+        "diffusion_kl_beta": 0.0,
+    }
     memory = static_memory(resolve(None, recipe="sd3-pickscore-nft", cli=full))
     train = _on(memory, "actor 0", "train")
     assert train["ref/frozen"] == train["params"] > 0 and train["ref/frozen_buffers"] == train["buffers"]
@@ -200,6 +205,7 @@ def test_dpos_traced_micro_batch_holds_winners_and_losers() -> None:
                 "ema_rollout_policy": "live",
                 "globalize_reward_std": False,
                 "ref_mode": "lora_base",
+                "diffusion_kl_beta": 0.0,  # the recipe's NFT KL; dpo's reference is in its loss
             }
         args = resolve(None, recipe="sd3-pickscore-nft", cli=cli).args
         family = resolve_family(args.hf_checkpoint, family=args.diffusion_model_family)

@@ -93,12 +93,14 @@ def shared_gpu(slots: dict[str, list[dict[str, Any]]], role: str, other: str) ->
     )
 
 
-def test_colocated_two_gpu_run_equals_the_plain_cpu_run(gpu_cluster, tiny_sd3_dir: Path, tmp_path: Path) -> None:
+def test_colocated_two_gpu_run_equals_the_plain_cpu_run(
+    gpu_cluster, tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
+) -> None:
     """The sd3-ocr-grpo topology (2 ranks, 2 colocated engines, offload, in-place sync) on 2 declared GPUs
     gives the metrics of the same job run without --colocate (and so without offload) on plain CPU Ray."""
     common = ["train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir), *SMALL]
     common += ["--global-batch-size", "4", "--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4"]
-    common += ["--actor-num-gpus-per-node", "2"]
+    common += ["--actor-num-gpus-per-node", "2", *small_digit_eval]
     with pytest.MonkeyPatch.context() as patch:  # the plain run first: its local Ray, then the cluster's
         patch.delenv("RAY_ADDRESS", raising=False)
         assert main([*common, "--num-gpus-per-node", "3", "--output-dir", str(tmp_path / "plain")]) == 0
@@ -109,12 +111,14 @@ def test_colocated_two_gpu_run_equals_the_plain_cpu_run(gpu_cluster, tiny_sd3_di
     assert [s["share"] for s in slots["actor"]] == [0.7, 0.7] and [s["share"] for s in slots["engine"]] == [0.25] * 2
     assert shared_gpu(slots, "actor", "engine")
     colocated, plain = read_metrics(out / "metrics.jsonl"), read_metrics(tmp_path / "plain" / "metrics.jsonl")
-    assert len(colocated) == len(plain) == 2
-    for a, b in zip(colocated, plain, strict=True):
+    assert len(colocated) == len(plain) == 3  # two rollouts, then the eval set after the last (no --eval-interval)
+    for a in colocated[:2]:
         assert a["perf/offload_train_bytes"] > 0 and a["perf/offload_rollout_bytes"] > 0
         assert a["sync/bytes_serialized"] < 20_000 < a["sync/bytes_by_handle"]  # handles, not weights
+    for a, b in zip(colocated, plain, strict=True):
         keys = {k for k in b if not k.startswith(("perf/", "sync/"))}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert colocated[2]["rollout_id"] == 2 and "eval/digits/accuracy" in colocated[2]
 
 
 @pytest.mark.extended  # the 3-GPU plan is tested pure (tests/placement); Ray placement by the 2-GPU test above

@@ -149,7 +149,8 @@ def test_eval_sets_are_checked_when_the_job_evaluates(job: Job, tmp_path: Path) 
     assert find_problems(resolved) == [
         f"--eval-prompt-data held {bad}:1: expected a JSON object, got a list; fix or remove that line"
     ]
-    assert find_problems(job("rl", eval_prompt_data=["held", str(bad)])) == []  # rl without --eval-interval
+    # without --eval-interval the job still evaluates them, after its last rollout: they are read, so checked
+    assert find_problems(job("rl", eval_prompt_data=["held", str(bad)])) == find_problems(resolved)
 
 
 def _png(path: Path) -> Path:

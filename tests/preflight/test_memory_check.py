@@ -20,7 +20,7 @@ def test_a_job_over_the_gpu_memory_is_one_preflight_problem() -> None:
     resolved = resolve("dmd2", recipe="sd35-4step", cli={"gpu_memory_gib": 20})
     lines = [p for p in find_problems(resolved) if "memory plan" in p]
     assert len(lines) == 1
-    assert lines[0].startswith("the memory plan does not fit: node 0 GPU 0 peaks at 23.5 GiB in the sync phase")
+    assert lines[0].startswith("the memory plan does not fit: node 0 GPU 0 peaks at 21.1 GiB in the sync phase")
     assert "over the 20 GiB per GPU of --gpu-memory-gib" in lines[0] and "miles plan --recipe sd35-4step" in lines[0]
     assert check_gpu_memory(resolve("dmd2", recipe="sd35-4step", cli={"gpu_memory_gib": 80})) == []
 
