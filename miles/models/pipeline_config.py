@@ -377,6 +377,20 @@ class TrainPipelineConfig(SglangAdapter):
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.transformer.config.in_channels)
 
+    def check_video_geometry(self, height: int, width: int, num_frames: int, spatial: int, temporal: int) -> None:
+        """ValueError naming the flags unless the size is a multiple of `spatial` and the frame count is 1 + a
+        multiple of `temporal` (a video VAE's compression; the video families' `latent_shape` and grid read it)."""
+        if height % spatial or width % spatial:
+            raise ValueError(
+                f"--diffusion-height/--diffusion-width must be multiples of {spatial} for model family "
+                f"{self.name!r}, got {height}x{width}"
+            )
+        if num_frames < 1 or (num_frames - 1) % temporal:
+            raise ValueError(
+                f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
+                f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
+            )
+
     def latent_shape(self, pipe: Any, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """The natural-layout shape (C, h, w) of one latent for an image of `height` x `width` (a video
         family: (C, f, h, w) for `num_frames` frames)."""

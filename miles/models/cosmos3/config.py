@@ -255,16 +255,7 @@ class Cosmos3TrainPipelineConfig(TrainPipelineConfig):
 
     def latent_shape(self, pipe: Any, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
-        if height % spatial or width % spatial:
-            raise ValueError(
-                f"--diffusion-height/--diffusion-width must be multiples of {spatial} for model family "
-                f"{self.name!r}, got {height}x{width}"
-            )
-        if num_frames < 1 or (num_frames - 1) % temporal:
-            raise ValueError(
-                f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
-                f"{temporal} frames (the VAE's temporal factor)"
-            )
+        self.check_video_geometry(height, width, num_frames, spatial, temporal)
         return (self.latent_channels(pipe), (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
 
     def _stats(self, pipe: Any, like: Any) -> tuple[Any, Any]:

@@ -139,16 +139,7 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
     def joint_shape(self, pipe: Any, height: int, width: int, num_frames: int, fps: float) -> tuple[int, ...]:
         spatial = int(pipe.vae_spatial_compression_ratio)
         temporal = int(pipe.vae_temporal_compression_ratio)
-        if height % spatial or width % spatial:
-            raise ValueError(
-                f"--diffusion-height/--diffusion-width must be multiples of {spatial} for model family "
-                f"{self.name!r}, got {height}x{width}"
-            )
-        if num_frames < 1 or (num_frames - 1) % temporal:
-            raise ValueError(
-                f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
-                f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
-            )
+        self.check_video_geometry(height, width, num_frames, spatial, temporal)
         config = self._dit(pipe)
         f, h, w = (num_frames - 1) // temporal + 1, height // spatial, width // spatial
         audio = self.audio_num_frames(config, f, temporal, fps)
@@ -207,16 +198,7 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
         (`spatial_compression_ratio` / `temporal_compression_ratio`, else patch x 2**scalings; LTX2Pipeline's 32 / 8
         without a VAE config)."""
         spatial, temporal = _vae_compression(configs.get("vae"))
-        if height % spatial or width % spatial:
-            raise ValueError(
-                f"--diffusion-height/--diffusion-width must be multiples of {spatial} for model family "
-                f"{self.name!r}, got {height}x{width}"
-            )
-        if num_frames < 1 or (num_frames - 1) % temporal:
-            raise ValueError(
-                f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
-                f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
-            )
+        self.check_video_geometry(height, width, num_frames, spatial, temporal)
         return self.image_seq_len((0, (num_frames - 1) // temporal + 1, height // spatial, width // spatial))
 
     def sde_mask(self, latent_shape: tuple[int, ...]) -> Any:

@@ -239,16 +239,7 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         experts = [getattr(pipe, n, None) for n in EXPERTS]
         patch = next((tuple(e.config.patch_size) for e in experts if e is not None), (1, 2, 2))
         factor = spatial * int(patch[1])  # whole patches of latent cells
-        if height % factor or width % factor:
-            raise ValueError(
-                f"--diffusion-height/--diffusion-width must be multiples of {factor} for model family "
-                f"{self.name!r}, got {height}x{width}"
-            )
-        if num_frames < 1 or (num_frames - 1) % temporal:
-            raise ValueError(
-                f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
-                f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
-            )
+        self.check_video_geometry(height, width, num_frames, factor, temporal)
         return (
             self.latent_channels(pipe),
             (num_frames - 1) // temporal + 1,
