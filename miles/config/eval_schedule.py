@@ -2,8 +2,10 @@
 
 A training job given eval data (`--eval-prompt-data` or `--eval-config`) always evaluates after its last rollout
 (iteration); with `--eval-interval N` also before the first (unless `--skip-eval-before-train`) and every N. Eval data
-is never accepted and then ignored: a job that trains on saved rollouts starts no engine, so there the config rules
-warn that the eval sets are not evaluated. `miles eval` evaluates them, `rollout-only` and `replay` do not.
+is never accepted and then ignored: a training job that starts no engine (saved rollouts) or trains nothing
+(`--debug-rollout-only`) does not evaluate them, and the config rules warn that it does not (and refuse an
+`--eval-interval` there). `miles eval` evaluates them; `rollout-only` and `replay` reuse a training recipe's eval sets
+without evaluating them (a recipe's values for another job are kept, unused).
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ def trains_on_saved_rollouts(args: Any, job: str) -> bool:
     return job in ("rl", "replay") and _value(args, "load_debug_rollout_data") is not None
 
 
+def not_evaluated_reason(args: Any, job: str) -> str | None:
+    """Why `job` does not evaluate the eval sets it was given (None: it does, or it has none)."""
+    if not has_eval_data(args) or job == "eval":
+        return None
+    if job not in TRAINING_JOBS:
+        return f"`miles {job}` generates (and scores) its prompts only"
+    if trains_on_saved_rollouts(args, job):
+        return "training on saved rollouts starts no engine"
+    if _value(args, "debug_rollout_only"):
+        return "--debug-rollout-only generates and scores, and trains nothing"
+    return None
+
+
 def evaluates(args: Any, job: str) -> bool:
     """Whether `job` runs evaluations of its eval sets."""
-    if not has_eval_data(args):
-        return False
-    if job == "eval":
-        return True
-    return job in TRAINING_JOBS and not trains_on_saved_rollouts(args, job)
+    return has_eval_data(args) and not_evaluated_reason(args, job) is None
 
 
 def schedule_text(args: Any, job: str) -> str:
@@ -44,8 +55,9 @@ def schedule_text(args: Any, job: str) -> str:
         return "no eval sets (--eval-prompt-data / --eval-config)"
     if job == "eval":
         return "every eval set, once"
-    if not evaluates(args, job):
-        return "not evaluated: training on saved rollouts starts no engine"
+    reason = not_evaluated_reason(args, job)
+    if reason is not None:
+        return f"not evaluated: {reason}"
     unit = "iteration" if job in ("sft", "dmd2") else "rollout"
     interval = _value(args, "eval_interval")
     if not interval:

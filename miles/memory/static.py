@@ -457,12 +457,15 @@ def static_memory(resolved: Any, plan: Any = None, counts: Mapping[str, ModelCou
     lora_merge = 0
     backend = args.rollout_backend
     if actor_denoiser is not None and args.use_lora and args.lora_ipc_weight_sync and num_engines:
-        if backend == "sglang":
-            notes.append("sglang's LoRA merge may keep base-weight copies too: not counted")
+        libraries = {n: c.library for n, c in engine_counts.components.items()}
+        forward = dtype_name(args.diffusion_forward_dtype)
+        lora_base = actor_denoiser.adapted_base_bytes(libraries, forward)
+        if backend == "sglang":  # sglang 0.5.23's LoRALinear snapshots the base weight with .to("cpu").clone()
+            notes.append(
+                f"sglang's LoRA merge: {gib(lora_base):.1f} GiB per engine of base-weight copies, in host memory "
+                "(its LoRALinear.cpu_weight), not on the GPU"
+            )
         else:
-            libraries = {n: c.library for n, c in engine_counts.components.items()}
-            forward = dtype_name(args.diffusion_forward_dtype)
-            lora_base = actor_denoiser.adapted_base_bytes(libraries, forward)
             lora_merge = actor_denoiser.merge_bytes(libraries, forward)
             notes.append(
                 f"{LORA_BASE_COPIES}: {gib(lora_base):.1f} GiB per engine, the diffusers engine's copies of the "

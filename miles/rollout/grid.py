@@ -271,10 +271,16 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+STAND_IN = "_miles_stand_in"  # a shipped scheduler config that is not the checkpoint's own: why, in words
+
+
 def _folder_configs(folder: Path, source: str) -> CheckpointConfigs | str:
     scheduler = _read_json(folder / SCHEDULER_CONFIG)
     if scheduler is None:
         return f"{source}: {folder / SCHEDULER_CONFIG} is not a JSON object"
+    stand_in = scheduler.pop(STAND_IN, None)
+    if stand_in:
+        source = f"{source}; STAND-IN scheduler: {stand_in}"
 
     def components() -> dict[str, dict[str, Any]]:
         out = {}

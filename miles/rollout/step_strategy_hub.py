@@ -78,8 +78,8 @@ def _window_range(args: Any, num_steps: int) -> tuple[int, int]:
     return int(window_range[0]), int(window_range[1])
 
 
-def sde_window(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
-    """A contiguous window of `--diffusion-num-sde-steps` SDE steps at a seed-determined start."""
+def _sde_window_bounds(args: Any, num_steps: int) -> tuple[int, int, int]:
+    """(window, lo, hi) of `sde_window`, checked: ValueError naming the flags when they do not fit the grid."""
     window = int(args.diffusion_num_sde_steps or 0)
     if window <= 0:
         raise ValueError(f"the sde_window strategy needs --diffusion-num-sde-steps > 0 (got {window})")
@@ -93,6 +93,12 @@ def sde_window(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[
             f"--diffusion-num-sde-steps {window} does not fit the SDE window [{lo}, {hi}) "
             "(--diffusion-sde-window-range)"
         )
+    return window, lo, hi
+
+
+def sde_window(args: Any, sample: Any, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
+    """A contiguous window of `--diffusion-num-sde-steps` SDE steps at a seed-determined start."""
+    window, lo, hi = _sde_window_bounds(args, num_steps)
     start = int(np.random.default_rng(seed).integers(lo, hi - window + 1))
     steps = list(range(start, start + window))
     return steps, return_indices(steps)
@@ -186,31 +192,60 @@ class Candidates:
     flags: tuple[str, ...]  # the flags (dests) holding step indices: chosen on one grid, they mean nothing on another
 
 
-def _window_candidates(args: Any, num_steps: int) -> Candidates:
-    window = int(args.diffusion_num_sde_steps or 0)
-    lo, hi = _window_range(args, num_steps)
-    hi = min(hi, num_steps)
-    flags = ("diffusion_sde_window_range",) if args.diffusion_sde_window_range is not None else ()
-    if hi - window <= lo:  # one possible start
-        end = min(hi, lo + max(window, 1))
-        return Candidates(tuple(range(lo, end)), f"steps {lo}-{end - 1}, every sample", flags)
+def _window_candidates(args: Any, num_steps: int, flags: tuple[str, ...]) -> Candidates:
+    window, lo, hi = _sde_window_bounds(args, num_steps)
+    if hi - window == lo:  # one possible start
+        return Candidates(tuple(range(lo, hi)), f"steps {lo}-{hi - 1}, every sample", flags)
     shared = bool(args.diffusion_shared_prefix) or args.diffusion_post_sde_steps_ratio is not None
     per = "microgroup's" if shared else "sample's"
     how = f"a window of {window} consecutive steps at each {per} random start in [{lo}, {hi - window}]"
     return Candidates(tuple(range(lo, hi)), how, flags)
 
 
-def candidate_steps(args: Any, num_steps: int) -> Candidates | None:
+def _mix_candidates(args: Any, num_steps: int, flags: tuple[str, ...]) -> Candidates:
+    """Every window MixGRPO's schedule reaches (it repeats after positions x interval rollouts), as drawn."""
+    window = int(args.diffusion_num_sde_steps or 0)
+    if args.diffusion_sde_window_range is None:
+        lo, hi = 0, num_steps - 1
+    else:
+        lo, hi = _window_range(args, num_steps)
+    if not 0 <= lo < hi <= num_steps:
+        raise ValueError(f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= {num_steps}")
+    interval, stride = int(args.diffusion_sde_window_interval), int(args.diffusion_sde_window_stride)
+    positions = -(-(hi - lo) // max(stride, 1))
+    steps: set[int] = set()
+    for rollout_id in range(positions * max(interval, 1)):
+        steps.update(mix_window(rollout_id, lo, hi, window, interval, stride))
+    every = f", start every {stride} steps" if stride > 1 else ""
+    how = f"MixGRPO's window of {window} steps sliding through [{lo}, {hi}){every}, moved every {interval} rollouts"
+    return Candidates(tuple(sorted(steps)), how, flags)
+
+
+def candidate_steps(args: Any, num_steps: int, allowed: list[int] | None = None) -> Candidates | None:
     """What the strategy `--diffusion-step-strategy-path` may draw on a `num_steps` grid (None: a custom strategy,
-    whose draws only a rollout shows)."""
+    whose draws only a rollout shows), confined to the steps `allowed` (the experts that train) exactly as
+    `select_steps` confines a rollout's draw. ValueError (the strategy's own message) when the flags do not fit:
+    the rollout would raise it."""
     path = args.diffusion_step_strategy_path
     name = str(path).strip().rpartition(".")[2] if path else "default_steps"
     if path and str(path).strip() not in STOCK_STRATEGIES and not str(path).startswith(__name__ + "."):
         return None
-    if name == "sde_window":
-        return _window_candidates(args, num_steps)
+    window_flags = ("diffusion_sde_window_range",) if args.diffusion_sde_window_range is not None else ()
+    view = args
+    if allowed is not None:
+        if not allowed:
+            raise ValueError("the trained experts make none of the denoising steps (--update-weight-target-module)")
+        view = _Confined(args, allowed, num_steps)
+    if name == "sde_window" or (name == "default_steps" and int(args.diffusion_num_sde_steps or 0) > 0):
+        return _window_candidates(view, num_steps, window_flags)
     if name == "epoch_global_random_choice":
-        steps = tuple(sorted(int(c) for c in (args.diffusion_sde_candidate_steps or ())))
+        given = view.diffusion_sde_candidate_steps
+        if not given:
+            raise ValueError(
+                "the epoch_global_random_choice strategy requires --diffusion-sde-candidate-steps (e.g. '1,2,3')"
+                + (" among the trained experts' steps" if allowed is not None else "")
+            )
+        steps = tuple(sorted(int(c) for c in given))
         k = int(args.diffusion_num_sde_steps or 0)
         listed = ",".join(str(s) for s in steps)
         how = (
@@ -222,20 +257,12 @@ def candidate_steps(args: Any, num_steps: int) -> Candidates | None:
     if name == "ode_and_return_last":
         return Candidates((), "no SDE step (the final latent only)", ())
     if name == "mix_grpo_window":
-        window = int(args.diffusion_num_sde_steps or 0)
-        if args.diffusion_sde_window_range is None:
-            lo, hi, flags = 0, num_steps - 1, ()
-        else:
-            (lo, hi), flags = _window_range(args, num_steps), ("diffusion_sde_window_range",)
-        every = int(args.diffusion_sde_window_interval)
-        how = f"MixGRPO's window of {window} steps sliding through [{lo}, {hi}) every {every} rollouts"
-        return Candidates(tuple(range(lo, min(hi, num_steps))), how, flags)
+        return _mix_candidates(view, num_steps, window_flags)
     if name == "default_steps":
-        if int(args.diffusion_num_sde_steps or 0) > 0:
-            return _window_candidates(args, num_steps)
         if args.diffusion_sde_type == "ode" or float(args.diffusion_noise_level) == 0.0:
             return Candidates((), "no SDE step (ODE rollouts)", ())
-        return Candidates(tuple(range(num_steps - 1)), "every step but the last (plain Flow-GRPO)", ())
+        steps = tuple(i for i in range(num_steps - 1) if allowed is None or i in allowed)
+        return Candidates(steps, "every step but the last (plain Flow-GRPO)", ())
     return None
 
 

@@ -83,24 +83,23 @@ def _trained_experts(args: Any, grid: Grid) -> tuple[str, ...]:
 
 def trained_steps(args: Any, num_steps: int | None = None) -> TrainedSteps | str:
     """The job's grid and candidate steps, or why they cannot be shown (no scheduler config here, a custom step
-    strategy, a flag the rules will refuse)."""
+    strategy). ValueError when the step flags do not fit the grid (or the trained experts' steps): the first rollout
+    would raise the same."""
     grid = compute_grid(args, num_steps)
     if isinstance(grid, str):
         return grid
-    try:
-        candidates = candidate_steps(args, grid.num_steps)
-    except ValueError as exc:
-        return str(exc)
+    experts = _trained_experts(args, grid)
+    allowed = None
+    if experts and set(experts) != {e for e in grid.experts if e is not None}:
+        # the runtime confines the draw to the trained experts' steps (`miles.rollout.manager.trained_expert_steps`)
+        allowed = [i for i, e in enumerate(grid.experts) if e in experts]
+    candidates = candidate_steps(args, grid.num_steps, allowed)
     if candidates is None:
         path = args.diffusion_step_strategy_path
         return f"--diffusion-step-strategy-path {path}: a custom strategy (its steps show in a rollout)"
-    experts = _trained_experts(args, grid)
     steps = tuple(i for i in candidates.steps if 0 <= i < grid.num_steps)
-    if experts and set(experts) != {e for e in grid.experts if e is not None}:
-        steps = tuple(i for i in steps if grid.experts[i] in experts)  # the runtime confines the draw to them
-    return TrainedSteps(
-        grid, candidates, steps, str(args.diffusion_sde_type), float(args.diffusion_noise_level), experts
-    )
+    sde_type, noise_level = str(args.diffusion_sde_type), float(args.diffusion_noise_level)
+    return TrainedSteps(grid, candidates, steps, sde_type, noise_level, experts)
 
 
 # ---- what inspect-config and plan print -------------------------------------------------------------------------
@@ -109,7 +108,10 @@ def plan_lines(args: Any, job: str) -> list[str]:
     no SDE steps)."""
     if not trains_sde_steps(args, job):
         return []
-    found = trained_steps(args)
+    try:
+        found = trained_steps(args)
+    except ValueError as exc:
+        found = str(exc)
     if isinstance(found, str):
         return [f"denoising grid: not shown ({found})"]
     grid = found.grid
@@ -135,7 +137,8 @@ def plan_lines(args: Any, job: str) -> list[str]:
 
 # ---- the config rules' warnings ----------------------------------------------------------------------------------
 def grid_warnings(res: Any, job: str) -> list[str]:
-    """One line per problem of the trained steps (see the module docstring); [] when they are sound or unknown."""
+    """One line per problem of the trained steps (see the module docstring); [] when they are sound or unknown.
+    ValueError when the step flags do not fit the grid at all (the config rules refuse the job)."""
     args = res.to_args()
     if not trains_sde_steps(args, job) or args.load_debug_rollout_data is not None:
         return []

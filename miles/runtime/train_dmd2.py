@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.config.eval_schedule import evaluates
 from miles.core.errors import ConfigError
 from miles.io.loggers import MetricsLogger
 from miles.runtime.ci_check import ci_check
@@ -31,7 +32,7 @@ from miles.runtime.output import export_at, export_due, export_final
 from miles.runtime.phases import Phases
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
-from miles.runtime.train_rl import has_eval_data, save_due, sync_weights, train_metrics
+from miles.runtime.train_rl import save_due, sync_weights, train_metrics
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -96,7 +97,7 @@ def run(resolved: ResolvedJob) -> int:
         with progress_bar("train dmd2", num_rollout - start) as advance:
             for it in range(start, num_rollout):
                 metrics = run_iteration(args, manager, critic, actor, it, phases)
-                if has_eval_data(args) and args.eval_interval and it > 0 and it % args.eval_interval == 0:
+                if evaluates(args, "dmd2") and args.eval_interval and it > 0 and it % args.eval_interval == 0:
                     metrics.update(ray.get(manager.evaluate_student.remote())[0])
                 line = logger.log(it, metrics)
                 advance(line if (it - start) % every == 0 or it == num_rollout - 1 else "")
@@ -106,7 +107,7 @@ def run(resolved: ResolvedJob) -> int:
                 if export_due(args, it, num_rollout):  # the student's weights
                     with phases.trainers_awake():
                         export_at(args, actor, it + 1, unit="iter")
-        if has_eval_data(args) and start < num_rollout:
+        if evaluates(args, "dmd2") and start < num_rollout:
             final = final_eval(args, manager, out)
             logger.log(num_rollout, final)
             for key, value in sorted(final.items()):

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.config.eval_schedule import has_eval_data
+from miles.config.eval_schedule import evaluates, has_eval_data
 from miles.io.dashboard import NullDashboard, open_dashboard
 from miles.io.loggers import MetricsLogger
 from miles.rollout.rollout_hooks import log_eval, log_rollout
@@ -90,7 +90,7 @@ def run(resolved: ResolvedJob) -> int:
                 if guard is not None and guard.ended:  # stop / rollback after this rollout trained
                     end = rollout_id + 1
                     break
-        if has_eval_data(args) and start < num_rollout and not ended_at_eval:  # eval data: always after the last
+        if evaluates(args, "rl") and start < num_rollout and not ended_at_eval:  # eval data: always after the last
             final = run_eval(args, manager, out, end, dash)
             if guard is not None:
                 final.update(guard.after_eval(end, final, group, phases.trainers_awake))

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from miles.config.eval_schedule import evaluates
 from miles.core.errors import ConfigError
 from miles.io.dashboard import open_dashboard
 from miles.io.loggers import MetricsLogger
@@ -31,7 +32,7 @@ from miles.runtime.ci_check import ci_check
 from miles.runtime.output import export_at, export_due, export_final
 from miles.runtime.progress import progress_bar
 from miles.runtime.session import ray_job
-from miles.runtime.train_rl import eval_due, has_eval_data, save_due, train_metrics
+from miles.runtime.train_rl import eval_due, save_due, train_metrics
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -124,7 +125,7 @@ def run(resolved: ResolvedJob) -> int:
                 if export_due(args, it, num_iters):
                     with dash.span("export", rollout_id=it):
                         export_at(args, group, it + 1, unit="iter")
-        if has_eval_data(args) and first < num_iters:  # eval data: always after the last iteration
+        if evaluates(args, "sft") and first < num_iters:  # eval data: always after the last iteration
             logger.log(num_iters, evaluator(num_iters))
         logger.close()
         with dash.span("export"):

@@ -328,3 +328,18 @@ def test_unknown_key_in_a_trainers_section(tmp_path: Path) -> None:
     )
     assert str(path) in message
     assert "learning_rat" in message
+
+
+def test_the_resolution_keeps_what_each_layer_set() -> None:
+    """`Resolution.value_at`: a flag's value as the given layers left it (the grid a recipe chose its step indices
+    on, before the command line changed it); the default where none of them set it."""
+    from miles.config.resolution import Resolution
+
+    res = Resolution("rl")
+    res.set("diffusion_num_steps", 16, "recipe")
+    res.set("diffusion_num_steps", 35, "cli")
+    res.derive("diffusion_num_steps", 36)  # a rule's value is no layer's
+    assert res.value_at("diffusion_num_steps", ("default", "recipe")) == 16
+    assert res.value_at("diffusion_num_steps", ("default", "recipe", "cli")) == 35
+    assert res.value_at("diffusion_num_steps", ("default",)) == 10  # the flag's default
+    assert res.value_at("diffusion_flow_shift", ("default", "recipe", "cli")) is None

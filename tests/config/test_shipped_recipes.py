@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles.config.eval_schedule import evaluates, has_eval_data
+from miles.config.eval_schedule import evaluates, has_eval_data, schedule_text
 from miles.config.layering import load_config_file
 from miles.config.recipes import shipped_recipes
 from miles.config.resolve import ResolvedJob, resolve
@@ -85,14 +85,17 @@ def test_the_gpu_recipes() -> None:
 
 
 def test_every_rl_recipe_with_eval_data_evaluates_on_a_curve() -> None:
-    """The GPU RL recipes evaluate every --eval-interval; every recipe with eval data evaluates at least at the end."""
+    """The GPU RL recipes evaluate every --eval-interval; every training recipe with eval data evaluates at least
+    after its last rollout (iteration)."""
     for name in sorted(RECIPES):
         resolved = resolve(None, recipe=name)
         args, job = resolved.args, resolved.spec.name
         if has_eval_data(args):
-            assert evaluates(args, job), name
+            assert evaluates(args, job) and schedule_text(args, job).endswith(
+                ("after the last", "(set --eval-interval N for a curve)")
+            ), name
         if name in GPU_RECIPES and job == "rl":
-            assert args.eval_interval, name
+            assert args.eval_interval and schedule_text(args, job).startswith("before the first rollout, every "), name
 
 
 def test_wan22_pickscore_grpo_trains_both_experts() -> None:
@@ -167,6 +170,14 @@ def test_eval_data_a_job_cannot_evaluate_is_said(tmp_path: Path) -> None:
         "--eval-prompt-data digits=digits:test (recipe) is not evaluated: training on saved rollouts starts no engine"
     ]
     assert not evaluates(found.args, "rl")
+    # --debug-rollout-only trains nothing: a warning, and an --eval-interval there is refused
+    found = resolve(None, recipe="tiny-digits-grpo", cli={"debug_rollout_only": True})
+    assert found.warnings == [
+        "--eval-prompt-data digits=digits:test (recipe) is not evaluated: --debug-rollout-only generates and scores, "
+        "and trains nothing"
+    ]
+    with pytest.raises(ConfigError, match="--eval-interval 5 \\(cli\\): nothing is evaluated: --debug-rollout-only"):
+        resolve(None, recipe="tiny-digits-grpo", cli={"debug_rollout_only": True, "eval_interval": 5})
 
 
 def test_a_gpu_recipe_over_its_gpu_memory_is_caught(tmp_path: Path) -> None:

@@ -92,7 +92,7 @@ def check_reward(res: Resolution, job: JobSpec) -> None:
 def check_eval(res: Resolution, job: JobSpec) -> None:
     """Eval data is evaluated or said not to be (`miles.config.eval_schedule`): a training job evaluates it after
     its last rollout, and every --eval-interval N; training on saved rollouts starts no engine, so a warning."""
-    from miles.config.eval_schedule import evaluates, has_eval_data, trains_on_saved_rollouts
+    from miles.config.eval_schedule import evaluates, has_eval_data, not_evaluated_reason, trains_on_saved_rollouts
 
     data = has_eval_data(res)
     if res["eval_interval"] is not None and not data:
@@ -104,9 +104,13 @@ def check_eval(res: Resolution, job: JobSpec) -> None:
             f"{res.show('rollout_backend')}: `miles train sft` evaluates its eval sets on one in-process "
             "diffusers engine; use --rollout-backend diffusers"
         )
-    if data and job.trains and trains_on_saved_rollouts(res, job.name) and res["eval_interval"] is None:
-        which = "eval_config" if res["eval_config"] is not None else "eval_prompt_data"
-        res.warn(f"{res.show(which)} is not evaluated: training on saved rollouts starts no engine")
+    reason = not_evaluated_reason(res, job.name) if job.trains else None
+    if reason is not None:
+        if res["eval_interval"] is not None and not trains_on_saved_rollouts(res, job.name):
+            res.fail(f"{res.show('eval_interval')}: nothing is evaluated: {reason}")
+        if res["eval_interval"] is None:
+            which = "eval_config" if res["eval_config"] is not None else "eval_prompt_data"
+            res.warn(f"{res.show(which)} is not evaluated: {reason}")
 
 
 def check_debug_modes(res: Resolution, job: JobSpec) -> None:

@@ -1,6 +1,6 @@
-"""The trained steps on the denoising grid (`miles.rollout.trained_steps`): one warning per problem, never a
-refusal (the grid is computed from configs miles may not hold for every checkpoint; a step strategy is the user's
-choice), so the preflight counts them and `inspect-config` prints the grid they refer to."""
+"""The trained steps on the denoising grid (`miles.rollout.trained_steps`): one warning per problem (the preflight
+counts them and `inspect-config` prints the grid they refer to); a refusal only for step flags that do not fit the
+grid or the trained experts' steps at all, which the first rollout would raise."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ from miles.config.resolution import Resolution
 
 
 def check_trained_steps(res: Resolution, job: JobSpec) -> None:
+    """Warn about the trained steps' problems; refuse step flags that do not fit the grid (the first rollout would)."""
     from miles.rollout.trained_steps import grid_warnings
 
-    for line in grid_warnings(res, job.name):
+    try:
+        lines = grid_warnings(res, job.name)
+    except ValueError as exc:
+        res.fail(f"{exc} (on the {res.show('diffusion_num_steps')} grid)")
+    for line in lines:
         res.warn(line)
 
 
