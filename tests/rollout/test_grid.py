@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from miles.models.families import get_family
-from miles.models.pipeline_config import live_scheduler_config
+from miles.models.scheduler_grid import live_scheduler_config
 from miles.rollout.grid import Grid, compute_grid, denoising_grid, grid_unavailable_reason, shipped_folder
 from miles.rollout.grid import step_noise_std as grid_std
 

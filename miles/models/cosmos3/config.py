@@ -105,7 +105,7 @@ class Cosmos3TrainPipelineConfig(TrainPipelineConfig):
         """`schedule` without torch: UniPC's own sigmas (at `flow_shift` when given), timesteps sigma x N in fp32."""
         import numpy as np
 
-        from miles.models.pipeline_config import live_scheduler_config, unipc_flow_sigmas
+        from miles.models.scheduler_grid import live_scheduler_config, unipc_flow_sigmas
 
         config = live_scheduler_config(scheduler_config)
         if "flow_shift" not in config and "use_flow_sigmas" not in config:

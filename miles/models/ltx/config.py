@@ -184,7 +184,7 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
     ) -> tuple[list[float], list[float]]:
         """`schedule` without torch: the base class's, with LTX2Pipeline's dynamic-shift constants for the keys the
         scheduler's config lacks (as `schedule` adds them to the live scheduler's config)."""
-        from miles.models.pipeline_config import live_scheduler_config
+        from miles.models.scheduler_grid import live_scheduler_config
 
         config = live_scheduler_config(scheduler_config)
         if flow_shift is None and config.get("use_dynamic_shifting", False):

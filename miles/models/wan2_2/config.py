@@ -90,7 +90,7 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         flow_shift: float | None = None,
     ) -> tuple[list[float], list[float]]:
         """`schedule` without torch: a UniPC config steps FlowMatchEuler at its `flow_shift` (or `flow_shift`)."""
-        from miles.models.pipeline_config import FLOW_MATCH_EULER, flow_match_euler_grid, live_scheduler_config
+        from miles.models.scheduler_grid import FLOW_MATCH_EULER, flow_match_euler_grid, live_scheduler_config
 
         config = live_scheduler_config(scheduler_config)
         if "flow_shift" not in config:
