@@ -1,7 +1,8 @@
 """Resolve a job's arguments: layer, derive, check, then split into per-trainer args.
 
 defaults < recipe < command line < --custom-config-path YAML; then the job's auto values, the
-shared rules and the job's own rules; then `compute_trainer_configs` / `compute_trainer_args`.
+shared rules and the job's own rules; every path made absolute against the working folder
+(`miles.config.paths`); then `compute_trainer_configs` / `compute_trainer_args`.
 Torch-free: this runs before anything heavy is imported.
 """
 
@@ -16,6 +17,7 @@ from miles.config.args import CLI, RECIPE, YAML, Args
 from miles.config.catalog import FLAGS_BY_DEST
 from miles.config.jobs import JOBS, JobSpec, job_spec
 from miles.config.layering import ConfigFile, apply_cli, apply_file, load_config_file, parse_override, set_sglang_arg
+from miles.config.paths import make_paths_absolute
 from miles.config.recipes import find_recipe
 from miles.config.resolution import Resolution
 from miles.config.rules import SHARED_RULES
@@ -81,6 +83,8 @@ def resolve(
     spec.resolve_auto_defaults(res)
     for rule in (*SHARED_RULES, *spec.extra_rules):
         rule(res, spec)
+    # last, over the derived values too: every path against this working folder, as no actor's is the driver's
+    make_paths_absolute(res)
 
     args = res.to_args()
     trainers = compute_trainer_configs(args)

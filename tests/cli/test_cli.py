@@ -238,7 +238,7 @@ def test_argparse_style_multi_value_flags(cli: Run) -> None:
         "to_k",
     )
     actor = data["trainers"]["actor"]
-    assert actor["eval_prompt_data"] == {"a": "p1.jsonl", "b": "p2.jsonl"}
+    assert actor["eval_prompt_data"] == {"a": os.path.abspath("p1.jsonl"), "b": os.path.abspath("p2.jsonl")}
     assert actor["lora_target_modules"] == ["to_q", "to_k"]
     assert data["sources"]["actor"]["eval_prompt_data"] == "cli"
     assert data["sources"]["actor"]["lora_target_modules"] == "cli"
@@ -249,7 +249,7 @@ def test_single_token_multi_value_forms(cli: Run) -> None:
         cli, "--recipe", "tiny-digits-grpo", "--eval-prompt-data", "a=p1.jsonl", "--lora-target-modules", "to_q,to_k"
     )
     actor = data["trainers"]["actor"]
-    assert actor["eval_prompt_data"] == {"a": "p1.jsonl"}
+    assert actor["eval_prompt_data"] == {"a": os.path.abspath("p1.jsonl")}
     assert actor["lora_target_modules"] == ["to_q", "to_k"]
 
 

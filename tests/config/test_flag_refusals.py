@@ -5,6 +5,8 @@ One line each, naming the flag, its value and its source, as every ConfigError d
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from jobs_helpers import BASE, assert_names, rejected, run
 
@@ -69,15 +71,16 @@ def test_debug_dumps_a_job_never_writes_are_refused(job: str, dest: str, value: 
 
 
 def test_dump_details_fills_the_dump_paths_the_job_writes() -> None:
+    here = os.getcwd()  # every path of a resolved job is absolute, against the working folder
     rl = run(dump_details="dumps/").args
-    assert rl.save_debug_rollout_data == "dumps/rollout_data/{rollout_id}.pt"
-    assert rl.save_debug_train_data == "dumps/train_data/{rollout_id}.pt"
+    assert rl.save_debug_rollout_data == f"{here}/dumps/rollout_data/{{rollout_id}}.pt"
+    assert rl.save_debug_train_data == f"{here}/dumps/train_data/{{rollout_id}}.pt"
     assert rl.source_of("save_debug_train_data") == "derived"
     # an explicit path wins; rollout-only writes no train data
     mine = run(dump_details="dumps", save_debug_rollout_data="mine/{rollout_id}.pt").args
-    assert mine.save_debug_rollout_data == "mine/{rollout_id}.pt"
+    assert mine.save_debug_rollout_data == f"{here}/mine/{{rollout_id}}.pt"
     rollout_only = run("rollout-only", dump_details="dumps").args
-    assert rollout_only.save_debug_rollout_data == "dumps/rollout_data/{rollout_id}.pt"
+    assert rollout_only.save_debug_rollout_data == f"{here}/dumps/rollout_data/{{rollout_id}}.pt"
     assert rollout_only.save_debug_train_data is None
     assert run().args.save_debug_rollout_data is None  # nothing is dumped unless asked
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +260,7 @@ def test_eval_and_rollout_only_accept_any_recipe(job: str, recipe_name: str) -> 
     # Another job's `trainers:` do not apply: eval and rollout-only have the actor only.
     assert [t.role for t in resolved.trainers] == ["actor"]
     assert resolved.trainers[0].overrides == {}
-    assert resolved.args.eval_prompt_data == {"test": "test.jsonl"}
+    assert resolved.args.eval_prompt_data == {"test": os.path.abspath("test.jsonl")}
 
 
 # ---- per-trainer overrides ------------------------------------------------------------------------------------------

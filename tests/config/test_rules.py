@@ -5,6 +5,7 @@ Every rejection must be one ConfigError naming the flags involved and their valu
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -74,7 +75,7 @@ def test_eval_interval_requires_eval_data() -> None:
     message = rejected(eval_interval=5)
     assert_names(message, "--eval-interval 5", "--eval-prompt-data")
     args = run(eval_interval=5, **EVAL_DATA).args
-    assert args.eval_prompt_data == {"digits": "test.jsonl"}
+    assert args.eval_prompt_data == {"digits": os.path.abspath("test.jsonl")}
 
 
 def test_eval_job_needs_eval_data() -> None:

@@ -73,7 +73,7 @@ def test_critic_starts_from_the_teacher_and_saves_beside_the_actor() -> None:
     critic = resolved.trainer_args["critic"]
     actor = resolved.trainer_args["actor"]
     assert (critic.hf_checkpoint, actor.hf_checkpoint) == ("teacher-dir", "tiny-sd3")
-    assert (critic.save, actor.save) == ("/ckpt/run/critic", "/ckpt/run/")
+    assert (critic.save, actor.save) == ("/ckpt/run/critic", "/ckpt/run")  # normalised: no trailing slash
     assert (critic.load, actor.load) == ("/ckpt/old/critic", "/ckpt/old")
     for dest in ("hf_checkpoint", "save", "load"):
         assert critic.source_of(dest) == "override:critic"

@@ -238,10 +238,11 @@ def test_a_path_ending_in_digits_is_no_line_of_a_file(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert find_problems(job("rl", eval_prompt_data=["d", "5"], eval_interval="5")) == [
-        "--eval-prompt-data d 5: prompt data file not found"
+        f"--eval-prompt-data d {tmp_path / '5'}: prompt data file not found"
     ]
     (tmp_path / "7").write_text("")
-    assert find_problems(job("rl", prompt_data="7")) == ["--prompt-data 7: no prompts (the file is empty)"]
+    empty = f"--prompt-data {tmp_path / '7'}: no prompts (the file is empty)"
+    assert find_problems(job("rl", prompt_data="7")) == [empty]
 
 
 # ---- SFT rows -----------------------------------------------------------------------------------------------------

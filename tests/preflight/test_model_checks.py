@@ -21,8 +21,8 @@ def _cache_snapshot(cache: Path, repo_id: str, revision: str = "abc123") -> Path
 def test_a_missing_local_checkpoint_folder(job: Job) -> None:
     resolved = job("rl", hf_checkpoint="./no-such-model", diffusion_model_family="sd3")
     assert find_problems(resolved) == [
-        "--hf-checkpoint ./no-such-model: no such folder; give a local diffusers pipeline folder, a Hugging Face "
-        "id (org/name) in the local cache, or a built-in model (tiny-sd3, tiny-flux, ...)"
+        f"--hf-checkpoint {Path.cwd() / 'no-such-model'}: no such folder; give a local diffusers pipeline folder, "
+        "a Hugging Face id (org/name) in the local cache, or a built-in model (tiny-sd3, tiny-flux, ...)"
     ]
 
 
