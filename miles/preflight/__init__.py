@@ -2,10 +2,12 @@
 
 `miles train|eval|rollout-only|replay` runs it after printing the args and before anything starts (no Ray, no
 model build); `miles inspect-config --check` runs it alone. Each check is a small function of the resolved job
-in a module with one job (models, data, hooks, checkpoint, cluster, memory, replay), registered once in `CHECKS` with
-the jobs it applies to; each returns one line per problem, naming the flag, the value, what is wrong and what
-to do. Torch- and Ray-free, except the hook check (it imports your hook modules), the rollout-file check (it
-loads the rollout a replay trains on) and `--eval-config` (read by `miles.rollout.evaluation.eval_datasets`).
+in a module with one job (models, data, hooks, checkpoint, cluster, memory, replay, several hosts), registered once
+in `CHECKS` with the jobs it applies to; each returns one line per problem, naming the flag, the value, what is
+wrong and what to do, or a `PreflightWarning` line for what it can only warn about (printed as
+`miles: warning: ...` and counted in the summary, refusing nothing). Torch- and Ray-free, except the hook check (it
+imports your hook modules), the rollout-file check (it loads the rollout a replay trains on) and `--eval-config`
+(read by `miles.rollout.evaluation.eval_datasets`).
 
     find_problems(resolved) -> list[str]        every problem, one line each
     preflight(resolved) -> None                 ConfigError: the problem, or "N problems:" and one per line
@@ -19,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from miles.core.errors import ConfigError
-from miles.preflight import checkpoint, cluster, data, hooks, memory, models, replay, rewards
-from miles.preflight.base import TRAINING_JOBS, Check
+from miles.preflight import checkpoint, cluster, data, hooks, memory, models, replay, rewards, several_hosts
+from miles.preflight.base import TRAINING_JOBS, Check, PreflightWarning
 from miles.utils.text import clip
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ CHECKS: tuple[Check, ...] = (
     Check("cluster", cluster.check_cluster),
     Check("GPU memory", memory.check_gpu_memory),
     Check("rollout files", replay.check_rollout_files, jobs=frozenset({"rl", "replay"})),
+    Check("several hosts", several_hosts.check_several_hosts),
 )
 
 
@@ -45,7 +48,8 @@ CHECKS: tuple[Check, ...] = (
 class Report:
     problems: list[str] = field(default_factory=list)
     checks: int = 0  # how many checks ran
-    warnings: int = 0  # the config rules' warnings about the job (printed before the preflight runs)
+    warnings: int = 0  # the config rules' warnings (printed before the preflight runs) and the checks' own
+    warned: list[str] = field(default_factory=list)  # the checks' warnings (PreflightWarning lines), as printed
     seconds: float = 0.0
     failed: list[str] = field(default_factory=list)  # checks that crashed (a bug in miles): their warning lines
 
@@ -62,7 +66,11 @@ def run_checks(resolved: ResolvedJob, checks: tuple[Check, ...] = CHECKS) -> Rep
             continue
         report.checks += 1
         try:
-            report.problems.extend(check.run(resolved))
+            for line in check.run(resolved):
+                if isinstance(line, PreflightWarning):
+                    _warn(report, line)
+                else:
+                    report.problems.append(line)
         except ConfigError as exc:
             report.problems.append(str(exc))
         except Exception as exc:  # a bug in a check must not stop a job the runtime could run
@@ -75,6 +83,13 @@ def run_checks(resolved: ResolvedJob, checks: tuple[Check, ...] = CHECKS) -> Rep
             print(f"miles: warning: {line}", file=sys.stderr)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _warn(report: Report, line: str) -> None:
+    """A check's warning: said now on stderr, as the config's warnings were, and counted in the summary."""
+    report.warned.append(str(line))
+    report.warnings += 1
+    print(f"miles: warning: {line}", file=sys.stderr)
 
 
 def find_problems(resolved: ResolvedJob) -> list[str]:
@@ -103,4 +118,14 @@ def passed_line(report: Report) -> str:
     return f"miles: preflight passed ({report.checks} checks{warned}, {report.seconds:.2f} s)"
 
 
-__all__ = ["CHECKS", "Check", "Report", "find_problems", "passed_line", "preflight", "problems_message", "run_checks"]
+__all__ = [
+    "CHECKS",
+    "Check",
+    "PreflightWarning",
+    "Report",
+    "find_problems",
+    "passed_line",
+    "preflight",
+    "problems_message",
+    "run_checks",
+]

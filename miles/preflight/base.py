@@ -14,9 +14,15 @@ CheckFn = Callable[["ResolvedJob"], Iterable[str]]
 TRAINING_JOBS = frozenset({"rl", "sft", "dmd2"})
 
 
+class PreflightWarning(str):
+    """A line a check yields that warns and refuses nothing: printed as `miles: warning: ...` when the check runs
+    and counted among the summary's warnings (`passed_line`), never a problem."""
+
+
 @dataclass(frozen=True)
 class Check:
-    """One check: `run(resolved)` yields one line per problem (flag, value, what is wrong, what to do).
+    """One check: `run(resolved)` yields one line per problem (flag, value, what is wrong, what to do), or a
+    `PreflightWarning` for what it can only warn about.
 
     `jobs`: the jobs it applies to (None: every job). A `ConfigError` it raises counts as one problem."""
 

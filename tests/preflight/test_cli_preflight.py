@@ -48,7 +48,7 @@ def test_several_problems_print_one_per_line(
     assert code == 2
     lines = err.rstrip("\n").splitlines()
     assert lines[0] == "miles: error: 2 problems:"
-    assert lines[1].startswith("  - --hf-checkpoint ./no-such-model: no such folder;")
+    assert lines[1].startswith(f"  - --hf-checkpoint {Path.cwd() / 'no-such-model'}: no such folder;")
     assert lines[2] == f"  - --prompt-data {tmp_path / 'nope.jsonl'}: prompt data file not found"
 
 
@@ -56,7 +56,7 @@ def test_inspect_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     monkeypatch.setenv("COLUMNS", "200")
     code, out, _ = _run(capsys, "inspect-config", "--recipe", "tiny-digits-grpo", "--check")
     assert code == 0
-    assert re.search(r"^miles: preflight passed \(11 checks, \d+\.\d\d s\)$", out, re.MULTILINE)
+    assert re.search(r"^miles: preflight passed \(12 checks, \d+\.\d\d s\)$", out, re.MULTILINE)
     code, _, err = _run(capsys, "inspect-config", "--recipe", "tiny-digits-grpo", "--load", str(tmp_path), "--check")
     assert code == 2
     assert err == (
