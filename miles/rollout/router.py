@@ -18,6 +18,9 @@ Failures:
 The router's own endpoints: ``POST /add_worker?url=...``, ``POST /remove_worker?url=...``,
 ``GET /list_workers`` and ``GET /health``. Everything else is proxied.
 
+The router binds ``RouterConfig.host`` and hands out ``url``, built on ``advertise_host`` (the address the other
+hosts reach: the node's IP for a wildcard bind). Engines are added by their advertised URLs.
+
 The server runs on its own event loop in a daemon thread, so it can be driven from synchronous code::
 
     router = MilesRouter(RouterConfig(concurrency=64))
@@ -41,6 +44,8 @@ import aiohttp
 from aiohttp import hdrs, web
 from yarl import URL
 
+from miles.utils.net import http_url, local_host
+
 logger = logging.getLogger("miles.router")
 
 ENGINE_HEADER = "X-Miles-Engine"
@@ -63,8 +68,11 @@ _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 class RouterConfig:
     """Settings of a :class:`MilesRouter` (the matching command-line flag in brackets)."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the bind address (--rollout-engine-host, resolved on the manager's node)
     port: int = 0  # 0: pick a free port
+    # what the router tells the others (its `url`); None: the bind address, or loopback for a wildcard bind.
+    # A wildcard bind must be given the node's own address here: 0.0.0.0 is nobody's address.
+    advertise_host: str | None = None
     concurrency: int = 512  # max in-flight requests per engine (--sglang-server-concurrency)
     timeout: float | None = None  # per-request timeout in seconds (--miles-router-timeout); None: no limit
     # Connector-wide cap on open connections to engines (--miles-router-max-connections). None: no cap
@@ -143,6 +151,7 @@ class MilesRouter:
         self._engines: dict[str, _Engine] = {}  # every known engine, routable or removed, in insertion order
         self._picks = 0  # requests routed so far; stamps _Engine.last_pick
         self._url = ""
+        self._local_url = ""
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
@@ -154,8 +163,14 @@ class MilesRouter:
 
     @property
     def url(self) -> str:
-        """Base url of the running router, ``http://host:port`` (empty before :meth:`start`)."""
+        """Base url of the running router as the others reach it, ``http://advertised-host:port`` (empty before
+        :meth:`start`)."""
         return self._url
+
+    @property
+    def local_url(self) -> str:
+        """Base url of the running router from its own host (a wildcard bind: loopback)."""
+        return self._local_url
 
     def start(self) -> str:
         """Start serving in a daemon thread; return the base url once the router is listening."""
@@ -242,8 +257,8 @@ class MilesRouter:
             failure.append(exc)
             ready.set()
             return
-        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # IPv6 literal
-        self._url = f"http://{host}:{port}"
+        self._url = http_url(cfg.advertise_host or local_host(cfg.host), port)
+        self._local_url = http_url(local_host(cfg.host), port)
         ready.set()
 
         health_task = asyncio.create_task(self._health_loop()) if cfg.health_check_interval > 0 else None

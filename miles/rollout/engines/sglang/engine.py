@@ -5,6 +5,10 @@ none on a CPU machine) and pins its server to the GPUs Ray gave it. Rollout traf
 through the actor: the client posts `/rollout/generate` to the miles router, which forwards to the
 server's URL. The actor handles what is per engine: start, health, restart, weight updates and their
 verification.
+
+The server binds `--rollout-engine-host` as this actor resolves it on its own node (`addresses.py`) and is known
+to the others by its advertised URL (`info()["url"]`); the actor's own admin requests and its local health check
+(`local_health`, what the manager asks when the router cannot reach the server) use the server's own host.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import requests
 
 from miles.rollout.engines.sglang.protocol import engine_family
 from miles.rollout.engines.sglang.schedule import flow_shift_options
-from miles.rollout.engines.sglang.server import ServerSpec, SglangServer, server_precision
+from miles.rollout.engines.sglang.server import ServerSpec, SglangServer, health_problem, server_precision
 
 
 class EngineRequestError(RuntimeError):
@@ -33,7 +37,10 @@ class SglangEngine:
         self.args = args
         self.index = index
         self.name = f"engine {index}"
+        from miles.rollout.engines.addresses import node_ip
+
         self.spec = server_spec(args, self.name, python, model_path, _engine_env(args, gpu_ids))
+        self.node_ip = node_ip()
         self.server = SglangServer(self.spec, log_dir)
         self.restarts = 0
         self.start_seconds = self._launch()
@@ -56,9 +63,15 @@ class SglangEngine:
 
     # ---- identity and health --------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
+        from miles.rollout.engines.addresses import node_id
+
         return {
             "name": self.name,
-            "url": self.spec.url,
+            "url": self.spec.url,  # advertised: what the router and the manager use
+            "local_url": self.spec.local_url,
+            "bind": self.spec.host,
+            "node_ip": self.node_ip,
+            "node_id": node_id(),
             "pid": self.server.pid,
             "log": str(self.server.log_path),
             "start_seconds": self.start_seconds,
@@ -78,6 +91,17 @@ class SglangEngine:
     def health(self) -> bool:
         return self.server.alive() and self.server.healthy(timeout=float(self.args.rollout_health_check_timeout))
 
+    def local_health(self) -> dict[str, Any]:
+        """The server as seen from its own host: process alive, and `GET /health` on its own address (what the
+        manager asks when it cannot reach the server itself)."""
+        return check_locally(
+            self.spec.local_url,
+            self.server.exit_code(),
+            self.node_ip,
+            float(self.args.rollout_health_check_timeout or 30.0),
+            started=self.server.proc is not None,
+        )
+
     def restart(self) -> dict[str, Any]:
         """Stop what is left of the server and start a new one on a fresh port."""
         self.server.stop(grace=2.0)
@@ -92,7 +116,7 @@ class SglangEngine:
     # ---- weights --------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
         try:
-            resp = requests.post(self.spec.url + path, json=body, timeout=timeout)
+            resp = requests.post(self.spec.local_url + path, json=body, timeout=timeout)
         except requests.RequestException as exc:
             raise EngineRequestError(f"sglang {self.name} at {self.spec.url}: POST {path} failed: {exc}") from exc
         try:
@@ -153,7 +177,7 @@ class SglangEngine:
         return time.perf_counter() - start
 
     def active_lora(self, target: str = "transformer") -> list[dict[str, Any]]:
-        resp = requests.get(self.spec.url + "/v1/list_loras", timeout=60)
+        resp = requests.get(self.spec.local_url + "/v1/list_loras", timeout=60)
         if resp.status_code != 200:
             return []
         return list((resp.json().get("active") or {}).get(target) or [])
@@ -167,7 +191,9 @@ class SglangEngine:
         return str(data.get("message", ""))
 
     def weights_checksum(self, targets: tuple[str, ...] = ("transformer",)) -> str:
-        resp = requests.post(self.spec.url + "/get_weights_checksum", json={"module_names": list(targets)}, timeout=60)
+        resp = requests.post(
+            self.spec.local_url + "/get_weights_checksum", json={"module_names": list(targets)}, timeout=60
+        )
         resp.raise_for_status()
         data = resp.json()
         return ",".join(str(data.get(t)) for t in targets)
@@ -175,14 +201,17 @@ class SglangEngine:
 
 def server_spec(args: Any, name: str, python: str, model_path: str, env: dict[str, str]) -> ServerSpec:
     """What a job's engine server is started with (`server.py` lists what miles sets)."""
+    from miles.rollout.engines.addresses import serving_address
     from miles.utils.sglang_env import gpus_present
 
     family = engine_family(args)
     precision = server_precision(args.diffusion_forward_dtype)
+    address = serving_address(args.rollout_engine_host)  # resolved here, on the engine's own node
     return ServerSpec(
         python=python,
         model_path=model_path,
-        host=args.rollout_engine_host,
+        host=address.bind,
+        advertise_host=address.advertised,
         model_id=None if (args.sglang_args or {}).get("model_id") else family.sglang_model_id,
         precision=args.diffusion_forward_dtype,
         family_options={
@@ -224,3 +253,21 @@ def engine_actor_class() -> Any:
     from miles.utils.actors import owned_remote
 
     return owned_remote(SglangEngine)
+
+
+def check_locally(
+    local_url: str, exit_code: int | None, node_ip: str, timeout: float, started: bool = True
+) -> dict[str, Any]:
+    """What an engine's actor reports of its server (`SglangEngine.local_health`): `healthy` when the process runs
+    (`exit_code` None) and `GET <local_url>/health` answers 200; `detail` says what is wrong otherwise."""
+    if exit_code is not None or not started:
+        detail = f"its server exited with code {exit_code}" if started else "its server was never started"
+        return {"alive": False, "healthy": False, "detail": detail, "node_ip": node_ip, "local_url": local_url}
+    problem = health_problem(local_url, timeout)
+    return {
+        "alive": True,
+        "healthy": problem is None,
+        "detail": "healthy" if problem is None else f"its server runs but {problem} on its own host ({local_url})",
+        "node_ip": node_ip,
+        "local_url": local_url,
+    }

@@ -6,8 +6,11 @@ that differ from the trainer's. The interpreter comes from `--sglang-python`, el
 (`~/.cache/miles/sglang-env`).
 
 What miles sets on every server (a `--sglang-KEY VALUE` passthrough overrides the rest):
-  * `--model-path`, `--host` (`--rollout-engine-host`, 127.0.0.1 by default), `--port`, and free
-    `--scheduler-port` / `--master-port` so several servers share a machine;
+  * `--model-path`, `--host` (the bind address of `--rollout-engine-host`: by default 127.0.0.1 on a one-node
+    cluster, the node's own address on several; see `miles.rollout.engines.addresses`), `--port`, and free
+    `--scheduler-port` / `--master-port` so several servers share a machine. The server's URL (`ServerSpec.url`)
+    is its advertised address, the one other hosts reach (the node's IP for a wildcard bind); the engine actor
+    itself talks to it on `local_url`, on its own host;
   * `--model-id` from the family's `sglang_model_id` (sglang picks its native pipeline by name: a local
     checkpoint directory carries no hint, and without it sglang falls back to a diffusers pipeline
     that cannot return trajectories);
@@ -50,17 +53,44 @@ class EngineStartError(RuntimeError):
     """An sglang server did not come up; the message names it and ends with its log tail."""
 
 
-def free_port(pair: bool = False) -> int:
-    """A free TCP port on 127.0.0.1 (with the next one free too when `pair`)."""
+def health_problem(url: str, timeout: float) -> str | None:
+    """None when `GET <url>/health` answers 200 within `timeout` seconds, else what went wrong, in a few words."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+            return None if resp.status == 200 else f"GET /health answered HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"GET /health answered HTTP {exc.code}"
+    except urllib.error.URLError as exc:
+        return f"GET /health failed: {exc.reason}"
+    except (OSError, ValueError) as exc:
+        return f"GET /health failed: {type(exc).__name__}: {exc}" if str(exc) else f"GET /health failed: {exc!r}"
+
+
+def _bind_target(host: str) -> tuple[socket.AddressFamily, str]:
+    """The socket family and address a test bind on `host` uses (a wildcard: every interface)."""
+    from miles.utils.net import is_wildcard
+
+    bare = host.strip().strip("[]")
+    if bare == "::":
+        return socket.AF_INET6, "::"
+    if is_wildcard(bare):
+        return socket.AF_INET, ""
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    return family, bare
+
+
+def free_port(pair: bool = False, host: str = "127.0.0.1") -> int:
+    """A free TCP port on `host`, the address a server will bind (with the next one free too when `pair`)."""
+    family, address = _bind_target(host)
     for _ in range(200):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
+        with socket.socket(family) as sock:
+            sock.bind((address, 0))
             port = sock.getsockname()[1]
         if not pair:
             return port
         if port < 65535:
-            with socket.socket() as sock, contextlib.suppress(OSError):
-                sock.bind(("127.0.0.1", port + 1))
+            with socket.socket(family) as sock, contextlib.suppress(OSError):
+                sock.bind((address, port + 1))
                 return port
     raise RuntimeError("no free port pair found")
 
@@ -71,8 +101,9 @@ class ServerSpec:
 
     python: str
     model_path: str
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the bind address
     port: int = 0
+    advertise_host: str | None = None  # what the others are told (None: where this host reaches the server)
     model_id: str | None = None
     precision: str = "fp32"
     num_gpus: int = 1
@@ -121,7 +152,17 @@ class ServerSpec:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The advertised URL: where the router, the manager and the other hosts reach the server."""
+        from miles.utils.net import http_url, local_host
+
+        return http_url(self.advertise_host or local_host(self.host), self.port)
+
+    @property
+    def local_url(self) -> str:
+        """Where a process on the server's own host reaches it (a wildcard bind: the loopback address)."""
+        from miles.utils.net import http_url, local_host
+
+        return http_url(local_host(self.host), self.port)
 
 
 def _die_with_parent() -> None:
@@ -150,7 +191,7 @@ class SglangServer:
 
     def start(self) -> None:
         if self.spec.port == 0:
-            self.spec.port = free_port(pair=True)  # the server also listens on port + 1
+            self.spec.port = free_port(pair=True, host=self.spec.host)  # the server also listens on port + 1
         argv = self.spec.command(scheduler_port=free_port(), master_port=free_port())
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
@@ -176,28 +217,27 @@ class SglangServer:
         return self.proc is not None and self.exit_code() is None
 
     def healthy(self, timeout: float = 5.0) -> bool:
-        try:
-            with urllib.request.urlopen(self.spec.url + "/health", timeout=timeout) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        """`GET /health` answers 200, asked on the server's own host."""
+        return health_problem(self.spec.local_url, timeout) is None
 
     def wait_ready(self, timeout: float) -> float:
         """Block until `/health` answers 200 (503 until the warm-up is done); seconds it took."""
         deadline = self.started_at + timeout
+        problem: str | None = "not asked yet"
         while time.monotonic() < deadline:
             if not self.alive():
                 raise EngineStartError(
                     f"sglang {self.spec.name} exited with code {self.proc.returncode if self.proc else None} "
                     f"while starting (log {self.log_path}):\n{self.log_tail()}"
                 )
-            if self.healthy(timeout=2.0):
+            problem = health_problem(self.spec.local_url, timeout=2.0)
+            if problem is None:
                 return time.monotonic() - self.started_at
             time.sleep(0.5)
         self.stop()
         raise EngineStartError(
-            f"sglang {self.spec.name} at {self.spec.url} was not healthy after {timeout:.0f} s "
-            f"(log {self.log_path}):\n{self.log_tail()}"
+            f"sglang {self.spec.name} at {self.spec.local_url} was not healthy after {timeout:.0f} s "
+            f"({problem}; log {self.log_path}):\n{self.log_tail()}"
         )
 
     def log_tail(self, lines: int = 15) -> str:
