@@ -14,7 +14,10 @@ failure    without --use-fault-tolerance: one `EngineFailure` line naming the en
            same slot, given the weights of the last sync (re-pushed; after an in-place sync copied from a
            live engine), verified (its weights digest and version equal what its slot reported after
            that sync), and sent the calls the dead one had not finished: the same requests with the same
-           seeds, so the rollout is the one an undisturbed run makes
+           seeds, so the rollout is the one an undisturbed run makes. A restarted actor goes into its slot's
+           bundle while that bundle's node is alive, else onto any alive node with the same resources
+           (`relocation.py`). An engine that fails more than MAX_RESTARTS_PER_CALL times in one call, or after
+           --max-engine-restarts restarts in the job, ends the job in one line
 CI         with --ci-test and --use-fault-tolerance, the first rollout with id >= 2 crashes engine 0 once,
            mid-rollout (the reference's fault injection)
 """
@@ -35,6 +38,7 @@ from miles.rollout.engines.engine_state import HEALTH_GROUP
 from miles.rollout.engines.health import HealthConfig, HealthMonitor, HealthTarget
 
 MAX_RESTARTS_PER_CALL = 3  # an engine that dies more often while serving one rollout gives up the run
+DEFAULT_MAX_RESTARTS = 3  # per engine and job, when the args name none (--max-engine-restarts)
 CI_CRASH_ROLLOUT = 2  # the first rollout id the CI fault injection crashes engine 0 in
 
 
@@ -52,12 +56,10 @@ class _Call:
 
 
 def failure_line(exc: BaseException) -> str:
-    """The innermost error of a Ray failure, in one line."""
-    cause = exc
-    while isinstance(getattr(cause, "cause", None), BaseException):
-        cause = cause.cause  # type: ignore[attr-defined]
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    return lines[0].rstrip(".") if lines else type(cause).__name__
+    """The innermost error of a Ray failure, in one line (an actor whose constructor raised: what it raised)."""
+    from miles.rollout.engines.failure_text import first_line
+
+    return first_line(exc)
 
 
 def ray_probe(handles: Sequence[Any], timeout: float) -> list[str | None]:
@@ -114,6 +116,8 @@ class EngineSupervisor:
         self.failed: dict[int, str] = {}  # engine -> why, found by the health checks and not yet handled
         self.restarting: set[int] = set()
         self.restart_log: list[dict[str, Any]] = []
+        self.restarts = [0] * num  # per engine, in this job (--max-engine-restarts)
+        self.max_restarts = int(getattr(args, "max_engine_restarts", DEFAULT_MAX_RESTARTS))
         self._pushes: list[tuple[dict[str, Any], int]] = []  # what a restarted engine is given, in order
         self._in_place_version: int | None = None  # the last sync passed handles (--colocate)
         self._digests: list[dict[str, Any]] | None = None  # per engine, after the last sync (fault tolerance)
@@ -133,10 +137,18 @@ class EngineSupervisor:
         where = [part for part in (self._slot(i), f"pid {self.pids[i]}" if self.pids[i] else "") if part]
         return f"diffusers engine {i}" + (f" ({', '.join(where)})" if where else "")
 
-    def _new_actor(self, i: int) -> Any:
+    def _new_actor(self, i: int, relocate: bool = False) -> Any:
+        """Engine i's actor in its slot; with `relocate` (a restart) anywhere alive when the slot's node is gone."""
         from miles.utils.actors import tag_for
 
-        return self._actor.options(**self._options(i)).remote(self.args, _miles_tag=tag_for(self.args, "engine", i))
+        options = self._options(i)
+        if relocate:
+            from miles.rollout.engines.relocation import live_options
+
+            options, moved = live_options(options)
+            if moved is not None:
+                print(f"miles: {self.describe(i)}: {moved}", flush=True)
+        return self._actor.options(**options).remote(self.args, _miles_tag=tag_for(self.args, "engine", i))
 
     def _wait_ready(self, i: int) -> None:
         import ray
@@ -194,6 +206,14 @@ class EngineSupervisor:
             )
         if count > MAX_RESTARTS_PER_CALL:
             raise DiffusersEngineError(f"{who} failed again after {count - 1} restarts in one call: {reason}")
+        if self.restarts[i] >= self.max_restarts:
+            if not self.restarts[i]:
+                raise DiffusersEngineError(f"{who} failed: {reason}; --max-engine-restarts 0 allows no restart")
+            raise DiffusersEngineError(
+                f"{who} failed again after {self.restarts[i]} restarts in this job "
+                f"(--max-engine-restarts {self.max_restarts}): {reason}"
+            )
+        self.restarts[i] += 1
         print(f"miles: {who} failed ({reason}); restarting it (--use-fault-tolerance)", flush=True)
         self.restart(i, reason)
 
@@ -208,7 +228,7 @@ class EngineSupervisor:
         try:
             with contextlib.suppress(Exception):
                 ray.kill(self.engines[i], no_restart=True)
-            handle = self._new_actor(i)
+            handle = self._new_actor(i, relocate=True)
             with self.lock:
                 self.engines[i] = handle
                 self.failed.pop(i, None)  # what the health checks said of the old actor

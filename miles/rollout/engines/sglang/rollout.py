@@ -11,9 +11,18 @@ fault tolerance.
               each microgroup's rewards started as soon as it is parsed
     sync      full weights from disk or the LoRA adapter, then every engine's tensors checked (`sync.py`)
 
-With --use-fault-tolerance a removed engine is restarted (new process, new port), brought to the last
-synced weights, verified and put back in the router; its requests were already re-sent to the others by
-the router. Without it the rollout stops with one error naming the engine.
+Addresses: the router binds `--rollout-engine-host` as resolved on the manager's node and hands out its advertised
+URL (what `--use-distributed-post` actors on other nodes post to); every engine is known by its advertised URL,
+resolved on its own node (`miles.rollout.engines.addresses`). An explicit loopback address with an engine (or a
+posting actor) on another node than the router is refused at the start, in one line.
+
+When the router takes an engine out, its actor is asked how its server looks from its own host (`recovery.py`):
+an engine healthy there but unreachable from here ends the job in one line (a restart cannot mend an address),
+a passing failure puts it back. Otherwise, with --use-fault-tolerance, a removed engine is restarted (new
+process, new port; a new actor, on a live node, when its actor or node is gone), brought to the last synced
+weights, verified and put back in the router, at most --max-engine-restarts times per engine and job; its
+requests were already re-sent to the others by the router. Without it the rollout stops with one error naming
+the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ from typing import Any
 
 from miles.core.errors import EngineFailure
 from miles.core.sample import Sample
+from miles.rollout.engines import addresses
 from miles.rollout.engines.base import GenerateRequest
+from miles.rollout.engines.failure_text import with_cause
 from miles.rollout.engines.sglang.posting import make_poster
 from miles.rollout.engines.sglang.protocol import (
     GENERATE_PATH,
@@ -37,6 +48,7 @@ from miles.rollout.engines.sglang.protocol import (
     rollout_payload,
     server_requests,
 )
+from miles.rollout.engines.sglang.recovery import ActorUnanswered, EngineRecovery
 from miles.rollout.engines.sglang.schedule import served_checkpoint
 from miles.utils.actors import owned_remote, tag_for
 
@@ -83,19 +95,24 @@ class SglangRollout:
         self.max_sequence_length = max_sequence_length(model_path, default=self.family.max_sequence_length)
         # --diffusion-flow-shift: the server samples a view whose scheduler config has the shift (`schedule.py`)
         model_path = str(served_checkpoint(Path(model_path), args.diffusion_flow_shift, self.root))
-        actor = engine_actor_class()
-        self.engines = []
+        # the router's addresses, resolved on this (the manager's) node; each engine resolves its own on its node
+        self.address = addresses.serving_address(args.rollout_engine_host)
+        self.node_id = addresses.node_id()
+        self._check_posting_nodes()
+        self._actor = engine_actor_class()
+        self._start_args = (python, model_path)
+        self._options: list[dict[str, Any]] = []
+        self._gpu_ids: list[list[int] | None] = []
         for i in range(num):
             if placement is not None:
                 slot = placement.slots("engine")[i]
                 options, gpu_ids = placement.options(slot), placement.gpu_ids(slot) or None
+                self._check_engine_node(i, placement.node_id(slot))
             else:
                 options, gpu_ids = {"num_gpus": 0, "num_cpus": 0}, None
-            self.engines.append(
-                actor.options(**options, max_concurrency=4).remote(
-                    args, i, python, model_path, str(self.root), gpu_ids, _miles_tag=tag_for(args, "engine", i)
-                )
-            )
+            self._options.append(options)
+            self._gpu_ids.append(gpu_ids)
+        self.engines = [self._new_actor(i, self._options[i], self._gpu_ids[i]) for i in range(num)]
         self.infos: list[dict[str, Any]] = []
         for i, engine in enumerate(self.engines):
             try:
@@ -103,6 +120,12 @@ class SglangRollout:
             except Exception as exc:
                 self.shutdown()
                 raise RolloutEngineError(f"sglang engine {i} failed to start: {_failure_line(exc)}") from None
+        try:
+            for i, info in enumerate(self.infos):
+                self._check_engine_node(i, info.get("node_id"))
+        except Exception:
+            self.shutdown()
+            raise
         for i, info in enumerate(self.infos):
             print(
                 f"miles: sglang engine {i} at {info['url']} (pid {info['pid']}) ready in "
@@ -110,8 +133,14 @@ class SglangRollout:
                 flush=True,
             )
         self.lock = threading.Lock()
-        self.failed: dict[str, str] = {}  # engine name -> why (without fault tolerance)
-        self.restarting = 0
+        self.recovery = EngineRecovery(
+            self,
+            num,
+            fault_tolerant=lambda: bool(self.args.use_fault_tolerance),
+            max_restarts=int(getattr(args, "max_engine_restarts", 3)),
+            timeout=float(args.rollout_health_check_timeout or 30.0),
+            manager_ip=self.address.node_ip,
+        )
         self.restart_log: list[dict[str, Any]] = []
         self.last_sync: tuple[str, Any] | None = None
         self.awaiting_sync: set[int] = set()  # restarted after an in-place sync: out of the router until the next
@@ -123,6 +152,8 @@ class SglangRollout:
         self._layouts: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
         self.router = MilesRouter(
             RouterConfig(
+                host=self.address.bind,
+                advertise_host=self.address.advertised,
                 concurrency=int(args.sglang_server_concurrency),
                 timeout=args.miles_router_timeout,
                 max_connections=args.miles_router_max_connections,
@@ -144,6 +175,29 @@ class SglangRollout:
         self.poster = make_poster(args, max_concurrency=int(args.sglang_server_concurrency) * len(self.engines))
 
     # ---- engines ------------------------------------------------------------------------------
+    def _new_actor(self, i: int, options: dict[str, Any], gpu_ids: list[int] | None) -> Any:
+        python, model_path = self._start_args
+        return self._actor.options(**options, max_concurrency=4).remote(
+            self.args, i, python, model_path, str(self.root), gpu_ids, _miles_tag=tag_for(self.args, "engine", i)
+        )
+
+    def _check_engine_node(self, i: int, node: str | None) -> None:
+        """An explicit loopback `--rollout-engine-host` with engine i on another node than the router: one line."""
+        setting = self.args.rollout_engine_host
+        if node and self.node_id and node != self.node_id and addresses.explicit_loopback(setting):
+            raise addresses.loopback_across_nodes(setting, f"sglang engine {i}", node[:12], self.node_id[:12])
+
+    def _check_posting_nodes(self) -> None:
+        """--use-distributed-post posts from every alive node: the router must not listen on loopback then."""
+        setting = self.args.rollout_engine_host
+        if not (self.args.use_distributed_post and addresses.explicit_loopback(setting)):
+            return
+        nodes = addresses.alive_nodes()
+        if nodes > 1:
+            raise addresses.loopback_refused(
+                setting, f"--use-distributed-post posts to the miles router from all {nodes} alive nodes"
+            )
+
     def _index_of(self, url: str) -> int | None:
         for i, info in enumerate(self.infos):
             if info["url"].rstrip("/") == url.rstrip("/"):
@@ -154,36 +208,70 @@ class SglangRollout:
         info = self.infos[i]
         return f"sglang engine {i} at {info['url']} (pid {info['pid']}, log {info['log']})"
 
-    def _on_removed(self, url: str, reason: str) -> None:
-        """Router callback (its own thread): restart under fault tolerance, else remember the failure."""
-        i = self._index_of(url)
-        if i is None:
-            return
-        who = self._describe(i)
-        if not self.args.use_fault_tolerance:
-            with self.lock:
-                self.failed[who] = reason
-            print(f"miles: {who} was removed: {reason}", flush=True)
-            return
-        with self.lock:
-            self.restarting += 1
-        try:
-            print(f"miles: {who} was removed ({reason}); restarting it (--use-fault-tolerance)", flush=True)
-            self._restart(i, reason)
-        except Exception as exc:
-            with self.lock:
-                self.failed[who] = f"{reason}; restart failed: {_failure_line(exc)}"
-            print(f"miles: restarting {who} failed: {_failure_line(exc)}", flush=True)
-        finally:
-            with self.lock:
-                self.restarting -= 1
+    # what `EngineRecovery` asks of the engines (`recovery.EngineSide`)
+    def describe(self, i: int) -> str:
+        return self._describe(i)
 
-    def _restart(self, i: int, reason: str) -> None:
+    def engine_url(self, i: int) -> str:
+        return str(self.infos[i]["url"])
+
+    def local_health(self, i: int) -> dict[str, Any]:
         import ray
+        from ray.exceptions import GetTimeoutError
+
+        timeout = float(self.args.rollout_health_check_timeout or 30.0) + 10.0
+        try:
+            return dict(ray.get(self.engines[i].local_health.remote(), timeout=timeout))
+        except GetTimeoutError:
+            raise ActorUnanswered(f"its actor did not answer within {timeout:g} s") from None
+        except Exception as exc:  # the actor died (with its node, or its process)
+            raise ActorUnanswered(f"its actor is gone: {_failure_line(exc)}") from None
+
+    def restart_engine(self, i: int, reason: str, replace_actor: bool) -> None:
+        self._restart(i, reason, replace_actor)
+
+    def readd_engine(self, i: int) -> None:
+        with self.lock:
+            waiting = i in self.awaiting_sync
+        if not waiting:
+            self.router.add_worker(self.infos[i]["url"])
+
+    def _on_removed(self, url: str, reason: str) -> None:
+        """Router callback (its own thread): the engine's diagnosis, then its restart or the failure."""
+        i = self._index_of(url)
+        if i is not None:
+            self.recovery.on_removed(i, reason)
+
+    def _replace_actor(self, i: int) -> tuple[dict[str, Any], str]:
+        """A new actor for engine i: in its bundle while the bundle's node lives, else on any alive node."""
+        import ray
+
+        from miles.rollout.engines.relocation import live_options
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.engines[i], no_restart=True)
+        options, moved = live_options(self._options[i])
+        gpu_ids = self._gpu_ids[i] if moved is None else None  # elsewhere: the GPUs Ray gives the new actor
+        self.engines[i] = self._new_actor(i, options, gpu_ids)
+        info = dict(ray.get(self.engines[i].info.remote()))
+        self._check_engine_node(i, info.get("node_id"))
+        info["restarts"] = int(self.infos[i].get("restarts", 0)) + 1
+        return info, f"a new actor ({moved})" if moved else "a new actor"
+
+    def _restart(self, i: int, reason: str, replace_actor: bool = False) -> None:
+        import ray
+        from ray.exceptions import RayActorError
 
         start = time.perf_counter()
         old = self.infos[i]
-        info = ray.get(self.engines[i].restart.remote())
+        how = "its server restarted"
+        if replace_actor:
+            info, how = self._replace_actor(i)
+        else:
+            try:
+                info = ray.get(self.engines[i].restart.remote())
+            except RayActorError:  # the actor died meanwhile
+                info, how = self._replace_actor(i)
         self.infos[i] = info
         restored = "checkpoint weights (no sync yet)"
         if self.last_sync is not None and self.last_sync[0] == "ipc":
@@ -201,19 +289,15 @@ class SglangRollout:
             {"engine": i, "reason": reason, "old_url": old["url"], "new_url": info["url"], "seconds": seconds}
         )
         print(
-            f"miles: restarted sglang engine {i}: {old['url']} (pid {old['pid']}) -> {info['url']} "
+            f"miles: restarted sglang engine {i} ({how}): {old['url']} (pid {old['pid']}) -> {info['url']} "
             f"(pid {info['pid']}) in {seconds:.1f} s; {restored}",
             flush=True,
         )
 
     def _raise_failures(self) -> None:
-        with self.lock:
-            failed = dict(self.failed)
-        if failed:
-            who, reason = next(iter(failed.items()))
-            raise RolloutEngineError(
-                f"{who} failed: {reason}. Pass --use-fault-tolerance to restart dead engines and go on."
-            )
+        line = self.recovery.first_failure()
+        if line is not None:
+            raise RolloutEngineError(line)
 
     def offload(self) -> float:
         import ray
@@ -287,17 +371,21 @@ class SglangRollout:
             if resp.status == 200:
                 return body
             engine = resp.engine or "the router"
+            self._raise_failures()  # an engine already known lost (unreachable, out of restarts): no waiting
             exited = await self._exited_engines()
             if self.args.use_fault_tolerance and time.monotonic() < deadline:
-                with self.lock:
-                    pending = self.restarting
+                pending = self.recovery.pending()
                 # a dead server: the health checker removes it and restarts it; the request waits for that
                 if exited or (resp.status == 503 and (pending or not self.router.workers())):
                     await asyncio.sleep(0.5)
                     continue
-            with self.lock:  # name the dead server, not only the request it broke
-                for i, code in exited.items():
-                    self.failed.setdefault(self._describe(i), f"its server exited with code {code}")
+            for i, code in exited.items():  # name the dead server, not only the request it broke
+                who = self._describe(i)
+                self.recovery.record(
+                    who,
+                    f"{who} failed: its server exited with code {code}. Pass --use-fault-tolerance to restart dead "
+                    "engines and go on.",
+                )
             self._raise_failures()
             raise RolloutEngineError(
                 f"rollout request for prompt {request.prompt!r} (seed {request.seeds[0]}) failed at {engine}: "
@@ -305,9 +393,10 @@ class SglangRollout:
             )
 
     async def _exited_engines(self) -> dict[int, int]:
-        """Engines whose server process has exited, with its exit code."""
-        codes = await asyncio.gather(*(engine.exit_code.remote() for engine in self.engines))
-        return {i: code for i, code in enumerate(codes) if code is not None}
+        """Engines whose server process has exited, with its exit code (an actor that does not answer is the
+        recovery's to diagnose, not named here)."""
+        codes = await asyncio.gather(*(engine.exit_code.remote() for engine in self.engines), return_exceptions=True)
+        return {i: code for i, code in enumerate(codes) if isinstance(code, int)}
 
     # ---- weights ------------------------------------------------------------------------------
     def update_weights(self, state: dict[str, Any], version: int) -> int:
@@ -474,13 +563,7 @@ def _dtype(name: str) -> Any:
 
 
 def _failure_line(exc: BaseException) -> str:
-    """The innermost error a Ray task raised, in one line: its first line, plus the first error line
-    after it (a start failure's message ends with the server's log tail)."""
-    cause = exc
-    while isinstance(getattr(cause, "cause", None), BaseException):
-        cause = cause.cause  # type: ignore[attr-defined]
-    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(cause).__name__
-    errors = [line for line in lines[1:] if "ERROR" in line or "Error" in line]
-    return lines[0] + (f" {errors[0]}" if errors else "")
+    """The innermost error a Ray task raised, in one line: its first line, plus the first error line after it (a
+    start failure's message ends with the server's log tail), else its last line; for an actor whose constructor
+    raised, the error it raised, not Ray's header (`failure_text.with_cause`)."""
+    return with_cause(exc)
