@@ -5,7 +5,8 @@ pushes, digest) and misbehaves on cue, through files in a directory every incarn
 `hang` (the process whose pid it holds stops answering, health checks included), `die` (it exits in
 every generate call), `forget` (it drops pushed weights). Covered: a hung engine killed by the health
 checks, restarted under fault tolerance or one error without; an engine that dies on every attempt; a
-restart whose weights do not verify; an engine dead before a weight sync.
+restart whose weights do not verify; an engine dead before a weight sync; the per-job restart cap
+(--max-engine-restarts); a restart whose bundle's node is gone placed anywhere alive.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def _stand_in_class() -> type:
         def weights_digest(self) -> dict[str, Any]:
             sha = hashlib.sha256(repr(sorted(self.weights.items())).encode()).hexdigest()
             return {"sha256": sha, "version": self.version, "tensors": len(self.weights)}
+
+        def placement_group(self) -> str | None:
+            import ray.util
+
+            group = ray.util.get_current_placement_group()
+            return None if group is None else group.id.hex()
 
     return StandIn
 
@@ -206,3 +213,51 @@ def test_an_engine_dead_before_a_weight_sync_is_restarted_and_synced(actor_class
         assert [d["version"] for d in digests] == [2, 2] and digests[0]["sha256"] == digests[1]["sha256"]
     finally:
         sup.shutdown()
+
+
+def test_restarts_stop_at_the_per_job_cap(actor_class: Any, tmp_path: Path) -> None:
+    import ray
+
+    args = _args(tmp_path, True, rollout_health_check_interval=0, max_engine_restarts=1)
+    sup = _supervisor(actor_class, args, num=1)
+    try:
+        ray.kill(sup.engines[0], no_restart=True)
+        _wait_dead(sup.engines[0])
+        assert len(sup.run(_shards(1, 1))) == 2  # the first death in the job: restarted, the call completed
+        ray.kill(sup.engines[0], no_restart=True)
+        _wait_dead(sup.engines[0])
+        with pytest.raises(DiffusersEngineError) as excinfo:  # a later call: the job's restarts are spent
+            sup.run(_shards(1, 1))
+        message = str(excinfo.value)
+        assert "\n" not in message and message.startswith("diffusers engine 0 (node 0, CPU")
+        assert "failed again after 1 restarts in this job (--max-engine-restarts 1): its actor died" in message
+        assert len(sup.restart_log) == 1
+    finally:
+        sup.shutdown()
+
+
+def test_a_restart_whose_bundle_node_is_gone_goes_anywhere_alive(
+    actor_class: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from miles.rollout.engines import relocation
+
+    group = placement_group([{"CPU": 0.01}], strategy="STRICT_PACK")
+    ray.get(group.ready(), timeout=60)
+    options = {"num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0)}
+    args = _args(tmp_path, True, rollout_health_check_interval=0)
+    sup = EngineSupervisor(args, 1, lambda i: dict(options), lambda i: "node 0, CPU", actor_class=actor_class)
+    try:
+        assert ray.get(sup.engines[0].placement_group.remote()) == group.id.hex()  # started in its bundle
+        ray.kill(sup.engines[0], no_restart=True)
+        _wait_dead(sup.engines[0])
+        monkeypatch.setattr(relocation, "alive_node_ids", lambda: set())  # as if the bundle's node had died
+        assert len(sup.run(_shards(1, 1))) == 2
+        assert [entry["engine"] for entry in sup.restart_log] == [0]
+        assert ray.get(sup.engines[0].placement_group.remote()) is None  # restarted outside the dead bundle
+    finally:
+        sup.shutdown()
+        remove_placement_group(group)
