@@ -227,8 +227,20 @@ FLAGS: list[Flag] = [
     _f(
         "rollout-engine-host",
         STR,
-        "127.0.0.1",
-        "Address the sglang servers and the miles router bind to.",
+        "auto",
+        "Address the sglang servers and the miles router bind to. auto: each node's own Ray address when the Ray "
+        "cluster has more than one alive node, else 127.0.0.1; any other value is the bind address (0.0.0.0: every "
+        "interface). What the others are told is always an address they can reach, computed on each server's own "
+        "node (its IP for 0.0.0.0); a loopback address with an engine on another node than the router is refused.",
+        metavar="auto|HOST",
+    ),
+    _f(
+        "max-engine-restarts",
+        INT,
+        3,
+        "Restarts each rollout engine may have in one job under --use-fault-tolerance; its next failure ends the "
+        "job in one line. An engine healthy on its host but unreachable is never restarted.",
+        min=0,
     ),
     _f(
         "sglang-start-timeout",
