@@ -244,9 +244,18 @@ def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
         plan = make_plan(resolved.args, cluster, resolved.spec)
         estimate, lines = memory_for(resolved, plan)
         print_plan(plan, estimate)
+        _print_manager_node(resolved)
         print("\n".join(lines))
     if kwargs.get("check"):
         _check(resolved, to_stdout=fmt == "table")
+
+
+def _print_manager_node(resolved: Any) -> None:
+    from miles.placement.manager_node import describe
+
+    line = describe(resolved.args, resolved.spec.name)
+    if line:
+        print(line)
 
 
 def _check(resolved: Any, to_stdout: bool) -> None:
@@ -287,6 +296,7 @@ def _plan_body(ctx: typer.Context, **kwargs: Any) -> None:
 
         print_schedule(resolved)
         print_plan(plan, estimate)
+        _print_manager_node(resolved)
         print("\n".join(lines))
     if estimate is not None:
         from miles.placement.cluster import flags_cluster

@@ -49,6 +49,9 @@ def dispatch(resolved: ResolvedJob) -> int | None:
             return report_failure(exc, args)
         finally:
             set_hook_timeout(None)
+            from miles.runtime import host_watch
+
+            host_watch.settle()  # the job ended its own way: no forced exit after a lost host
 
 
 def _driver(resolved: ResolvedJob) -> Any:

@@ -221,6 +221,15 @@ def _log_hint(log_dir: str | Path | None) -> str:
     return f"; logs: {log_dir}" if log_dir else ""
 
 
+def host_lost_line(lost: Any, args: Any) -> str:
+    """The failure line of a lost host (`miles.runtime.host_watch.HostLost`): where a rerun resumes, the logs."""
+    from miles.runtime.signals import last_checkpoint_line
+    from miles.utils.actors import logs_dir
+
+    log_dir = logs_dir(args) if args.output_dir else None
+    return f"{lost.line}; {last_checkpoint_line(args)}{_log_hint(log_dir)}"
+
+
 def report_failure(exc: BaseException, args: Any) -> int:
     """Say `exc` in one line on the terminal (its traceback goes to logs/driver.log) and return the exit code;
     a user's mistake found inside an actor is raised again as the ConfigError it was (exit 2)."""
@@ -228,12 +237,17 @@ def report_failure(exc: BaseException, args: Any) -> int:
     import traceback
 
     from miles.core.errors import ConfigError, find_engine_failure
+    from miles.runtime import host_watch
     from miles.runtime.terminal import write_driver_log
     from miles.utils.actors import logs_dir
 
     log_dir = logs_dir(args) if args.output_dir else None
     write_driver_log("".join(traceback.format_exception(exc)))
-    failure = explain(exc, log_dir)
+    lost = host_watch.lost()  # a lost host is the cause, whichever of its actors' errors arrived first
+    if lost is not None:
+        failure: Failure | None = Failure(1, host_lost_line(lost, args))
+    else:
+        failure = explain(exc, log_dir)
     if failure is None:
         engine = find_engine_failure(exc)
         if engine is not None:

@@ -32,7 +32,9 @@ def observed_placement(groups: list[Any], manager: Any) -> dict[tuple[str, int],
     return seen
 
 
-def record_placement(out: Path, placement: RayPlacement, groups: list[Any], manager: Any) -> Path:
+def record_placement(
+    out: Path, placement: RayPlacement, groups: list[Any], manager: Any, manager_node: tuple[str, str] | None = None
+) -> Path:
     """Check every actor against its slot and write `<out>/placement.json`; returns its path."""
     seen = observed_placement(groups, manager)
     slots = []
@@ -57,7 +59,9 @@ def record_placement(out: Path, placement: RayPlacement, groups: list[Any], mana
             }
         )
     path = out / "placement.json"
-    record = {"gpu_mode": placement.gpu_mode, "rows": placement.plan.rows(), "slots": slots}
+    record: dict[str, Any] = {"gpu_mode": placement.gpu_mode, "rows": placement.plan.rows(), "slots": slots}
+    if manager_node is not None:
+        record["rollout_manager"] = {"node_id": manager_node[0], "address": manager_node[1]}
     atomic_write_text(path, json.dumps(record, indent=2) + "\n")
     if wrong:
         raise RuntimeError("actors are not where the placement plan put them: " + "; ".join(wrong))

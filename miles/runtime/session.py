@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.builtin.inputs import prepare_inputs
 from miles.runtime.ci_check import metrics_mark
+from miles.runtime.failures import host_lost_line
 from miles.runtime.output import prepare_output_dir
 from miles.runtime.ray_setup import init_ray
 from miles.utils.actors import tag_for
@@ -25,19 +26,35 @@ class JobSession:
     out: Path
     placement: RayPlacement
     manager: Any = None  # the rollout manager actor, for jobs with engines
+    manager_node: tuple[str, str] | None = None  # (Ray node id, address) the manager is pinned to
     metrics_start: int = 0  # bytes of <output-dir>/metrics.jsonl written before this job (a reused dir)
 
     def record_placement(self, groups: Sequence[Any] = ()) -> Path:
         """Check every actor against the plan and write `<output-dir>/placement.json` (once all are up)."""
         from miles.runtime.placement_record import record_placement
 
-        return record_placement(self.out, self.placement, list(groups), self.manager)
+        return record_placement(self.out, self.placement, list(groups), self.manager, self.manager_node)
 
 
 def default_manager_class() -> Any:
     from miles.rollout.manager import manager_actor_class
 
     return manager_actor_class()
+
+
+def start_host_watch(args: Any, placement: RayPlacement, manager_node: tuple[str, str] | None) -> Any:
+    """Watch the hosts the job uses other than the driver's own (`miles.runtime.host_watch`); None when the
+    whole job runs on the driver's node."""
+    import ray
+
+    from miles.runtime import host_watch
+
+    host_watch.reset()
+    hosts = host_watch.hosts_of(placement, manager_node, bool(getattr(args, "use_fault_tolerance", False)))
+    hosts.pop(ray.get_runtime_context().get_node_id(), None)
+    if not hosts:
+        return None
+    return host_watch.HostWatch(hosts, float(args.host_timeout), lambda lost: host_lost_line(lost, args)).start()
 
 
 @contextlib.contextmanager
@@ -56,19 +73,28 @@ def ray_job(
     prepare_inputs(args)
     init_ray(args)
     manager = None
+    manager_node = None
+    watch = None
     clean = False
     try:
         placement = place(args, resolved.spec)
         print("miles: " + "\n".join(plan_lines(placement.plan, cpu_run=not placement.gpu_mode)), flush=True)
         if manager_class is not None:
+            from miles.placement import manager_node as where
+
+            manager_node = where.find_node(where.setting(args))
+            print(f"miles: rollout manager on node {manager_node[1]} (--rollout-manager-node {where.setting(args)})")
             manager = (
                 manager_class()
-                .options(num_cpus=0)
+                .options(**where.actor_options(manager_node[0]))
                 .remote(args, None, True, placement, _miles_tag=tag_for(args, "rollout_manager"))
             )
-        yield JobSession(out, placement, manager, metrics_mark(out))
+        watch = start_host_watch(args, placement, manager_node)
+        yield JobSession(out, placement, manager, manager_node=manager_node, metrics_start=metrics_mark(out))
         clean = True
     finally:
+        if watch is not None:
+            watch.stop()
         # after a failure or an interrupt the manager gets a few seconds to stop its engines and servers, then
         # Ray ends every actor (the job's cluster, or the driver's actors on a shared one)
         if manager is not None:

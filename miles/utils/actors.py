@@ -40,6 +40,7 @@ class ActorTag:
     log_dir: str  # <output-dir>/logs
     verbose: bool = False  # --verbose: keep Ray's streams as they are (everything reaches the terminal)
     hook_timeout: float | None = None  # --hook-timeout
+    host_timeout: float | None = None  # --host-timeout: cut off from the Ray head this long, the actor exits
 
     @property
     def name(self) -> str:
@@ -65,6 +66,7 @@ def tag_for(args: Any, role: str, index: int = 0) -> ActorTag | None:
         log_dir=str(logs_dir(args).resolve()),
         verbose=bool(getattr(args, "verbose", False)),
         hook_timeout=float(timeout) if timeout else None,
+        host_timeout=float(getattr(args, "host_timeout", None) or 0) or None,
     )
 
 
@@ -136,6 +138,10 @@ def start_actor(tag: ActorTag) -> None:
     with tag.log_path.open("a", encoding="utf-8") as log_file:  # the log exists under --verbose too
         log_file.write(f"[{tag.name}] started: pid {os.getpid()}\n")
     _register(tag, {"event": "start"})
+    if tag.host_timeout:
+        from miles.utils import lifeline
+
+        lifeline.start(tag.host_timeout, tag.name)
 
 
 def _log_warnings_to_both() -> None:

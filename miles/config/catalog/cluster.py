@@ -89,6 +89,24 @@ FLAGS: list[Flag] = [
         "--fsdp-cpu-backend (an explicit CUDA-only backend there is an error).",
     ),
     _f(
+        "rollout-manager-node",
+        STR,
+        "driver",
+        "Where the rollout manager runs (the data source, the router, the engines' and reward workers' "
+        "supervision): `driver` (the node the command runs on), `head` (Ray's head node) or a node's IP address. "
+        "Losing its node ends the job.",
+        jobs=ENGINE_JOBS,
+    ),
+    _f(
+        "host-timeout",
+        FLOAT,
+        30.0,
+        "Seconds a host of the job may stay silent (its Ray node gone or unreachable) before the job ends "
+        "naming it (or, under --use-fault-tolerance, re-places the engines it held); an actor cut off from the "
+        "Ray head this long exits, so nothing of the job keeps running on a lost host.",
+        min=1,
+    ),
+    _f(
         "distributed-timeout-minutes",
         INT,
         10,

@@ -1,0 +1,63 @@
+"""An actor's lifeline to the Ray head: an actor cut off from it for `--host-timeout` seconds exits.
+
+A host whose link goes down keeps its raylet and the job's actors running: Ray's head declares the node dead
+after its own timeout, but nobody can reach those processes to end them, and they would go on holding GPUs (and
+sglang servers) after the job has ended. Each actor of a job therefore checks, every second, that the head's
+GCS port still accepts a TCP connection (answered by the head's kernel, so a busy head is not a silent one); after
+`timeout` seconds without one it writes why to its log and exits (an sglang server it started dies with it).
+Torch-free; Ray is asked only for the head's address.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+
+
+def _reachable(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def head_address() -> tuple[str, int] | None:
+    try:
+        import ray
+
+        address = ray.get_runtime_context().gcs_address
+    except Exception:
+        return None
+    host, _, port = str(address).rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def start(timeout: float, name: str, interval: float = 1.0) -> threading.Thread | None:
+    """Watch the head from a daemon thread; None when this process is not in a Ray cluster."""
+    address = head_address()
+    if address is None:
+        return None
+
+    def watch() -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(interval)
+            now = time.monotonic()
+            if _reachable(*address, timeout=min(interval, 2.0)):
+                last = now
+            elif now - last > timeout:
+                print(
+                    f"[{name}] the Ray head {address[0]}:{address[1]} has been unreachable for {timeout:g} s "
+                    "(--host-timeout): this host is cut off from the job; exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="miles-lifeline", daemon=True)
+    thread.start()
+    return thread
