@@ -35,14 +35,33 @@ def train_threads(args: Any, world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, world))
 
 
+def use_node_interface(args: Any) -> str | None:
+    """Point gloo at the interface that carries this node's Ray address (GLOO_SOCKET_IFNAME), unless
+    `--train-env-vars` (or the environment) names one. Without it gloo takes its address from the hostname, which
+    resolves to loopback on many images: ranks on other hosts are then told to connect to 127.0.0.1. The interface
+    set, or None (left as it was, or no interface has the address)."""
+    if (args.train_env_vars or {}).get("GLOO_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    from miles.utils.net import interface_for
+
+    name = interface_for(ray.util.get_node_ip_address())
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
 class TrainerActor:
     """One rank: a `miles.training.trainer.Trainer` inside a Ray actor."""
 
-    def __init__(self, args: Any, rank: int, world: int, addr: str, port: int, total_steps: int) -> None:
+    def __init__(
+        self, args: Any, rank: int, world: int, addr: str, port: int, total_steps: int, across_hosts: bool = False
+    ) -> None:
         import torch
 
         from miles.training.trainer import Trainer
 
+        if across_hosts:
+            use_node_interface(args)
         torch.set_num_threads(train_threads(args, world))
         self.trainer = Trainer(args, rank, world, addr, port, total_steps)
 
@@ -96,10 +115,19 @@ class TrainerGroup:
         addr, port = ray.get(
             ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=first["scheduling_strategy"]).remote()
         )
+        # ranks on several Ray nodes: each rank's gloo uses its node's own interface (`use_node_interface`)
+        across = len({placement.node_id(slot) for slot in self.slots}) > 1
         actor_cls = owned_remote(TrainerActor)
         self.actors = [
             actor_cls.options(**placement.options(slot)).remote(
-                args, slot.index, self.world, addr, port, total_steps, _miles_tag=tag_for(args, role, slot.index)
+                args,
+                slot.index,
+                self.world,
+                addr,
+                port,
+                total_steps,
+                across,
+                _miles_tag=tag_for(args, role, slot.index),
             )
             for slot in self.slots
         ]
