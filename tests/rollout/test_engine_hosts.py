@@ -357,3 +357,34 @@ def test_a_restart_leaves_a_bundle_whose_node_is_dead(monkeypatch: pytest.Monkey
     assert relocation.live_options(options)[0] == {"num_gpus": 1.0, "num_cpus": 0.01}
     plain = {"num_cpus": 0}
     assert relocation.live_options(plain) == (plain, None)  # no bundle: nothing to move
+
+
+def test_an_actor_waiting_for_a_bundle_whose_node_dies_is_started_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actor's death is often known before its node's: the restart first goes into the bundle, then moves once
+    Ray lists the node dead while the actor still waits there."""
+    import ray
+
+    from miles.rollout.engines import relocation
+
+    bundle = {"scheduling_strategy": "bundle 0 on node-b", "num_gpus": 1.0}
+    anywhere = {"num_gpus": 1.0}
+    looks = iter([(bundle, None), (bundle, None), (anywhere, "node node-b is gone: placed on any alive node")])
+    monkeypatch.setattr(relocation, "live_options", lambda options: next(looks))
+    made: list[dict[str, Any]] = []
+    killed: list[str] = []
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([r for r in refs if r == "answer of actor 1"], []))
+    monkeypatch.setattr(ray, "get", lambda ref: {"pid": 7} if ref == "answer of actor 1" else None)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
+
+    def make(options: dict[str, Any]) -> str:
+        made.append(options)
+        return f"actor {len(made) - 1}"
+
+    actor, answer, note = relocation.start_placed(bundle, make, lambda a: f"answer of {a}", poll=0.0)
+    assert (actor, answer) == ("actor 1", {"pid": 7}) and made == [bundle, anywhere] and killed == ["actor 0"]
+    assert note is not None and "node-b is gone" in note
+
+    monkeypatch.setattr(relocation, "live_options", lambda options: (options, None))  # its node lives: it waits
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([], refs))
+    with pytest.raises(TimeoutError):
+        relocation.start_placed(bundle, make, lambda a: f"answer of {a}", timeout=0.05, poll=0.01)

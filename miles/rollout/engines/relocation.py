@@ -10,6 +10,8 @@ node instead.
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -58,3 +60,39 @@ def live_options(options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         return options, None
     where = f"node {node[:12]}" if node else "its placement-group bundle's node"
     return anywhere_alive(options), f"{where} is gone: placed on any alive node with the same resources"
+
+
+def start_placed(
+    options: dict[str, Any],
+    make: Callable[[dict[str, Any]], Any],
+    first_answer: Callable[[Any], Any],
+    timeout: float | None = None,
+    poll: float = 1.0,
+) -> tuple[Any, Any, str | None]:
+    """Start a restarted actor (`make(options)`) and wait for `first_answer(actor)` (an ObjectRef): in its bundle
+    while the bundle's node lives, else anywhere alive. A node can die after the actor was asked into its bundle
+    (the actor's death is often known before the node's), so while the answer is pending the node is looked at
+    again, and the actor started elsewhere once the node is gone. Returns (actor, its answer, a note when moved);
+    an error of the actor's start is raised as Ray raises it; `timeout` (seconds, None: no limit) raises
+    TimeoutError."""
+    import ray
+
+    current, moved = live_options(options)
+    actor = make(current)
+    ref = first_answer(actor)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        ready, _ = ray.wait([ref], timeout=poll)
+        if ready:
+            return actor, ray.get(ref), moved
+        if moved is None:
+            current, moved = live_options(options)
+            if moved is not None:  # the bundle's node died while the actor waited for it
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                actor = make(current)
+                ref = first_answer(actor)
+        if deadline is not None and time.monotonic() > deadline:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            raise TimeoutError(f"the actor did not start within {timeout:g} s")

@@ -137,18 +137,31 @@ class EngineSupervisor:
         where = [part for part in (self._slot(i), f"pid {self.pids[i]}" if self.pids[i] else "") if part]
         return f"diffusers engine {i}" + (f" ({', '.join(where)})" if where else "")
 
-    def _new_actor(self, i: int, relocate: bool = False) -> Any:
-        """Engine i's actor in its slot; with `relocate` (a restart) anywhere alive when the slot's node is gone."""
+    def _new_actor(self, i: int, options: dict[str, Any] | None = None) -> Any:
+        """Engine i's actor, in its slot unless `options` say otherwise."""
         from miles.utils.actors import tag_for
 
-        options = self._options(i)
-        if relocate:
-            from miles.rollout.engines.relocation import live_options
-
-            options, moved = live_options(options)
-            if moved is not None:
-                print(f"miles: {self.describe(i)}: {moved}", flush=True)
+        options = self._options(i) if options is None else options
         return self._actor.options(**options).remote(self.args, _miles_tag=tag_for(self.args, "engine", i))
+
+    def _start_again(self, i: int) -> None:
+        """A new actor for engine i (a restart): in its slot's bundle while that bundle's node lives, else anywhere
+        alive with the same resources; waited for like a first start."""
+        from miles.rollout.engines.relocation import start_placed
+
+        try:
+            handle, status, moved = start_placed(
+                self._options(i), lambda options: self._new_actor(i, options), lambda h: h.status.remote()
+            )
+        except Exception as exc:
+            self.shutdown()
+            raise DiffusersEngineError(f"{self.describe(i)} failed to start: {failure_line(exc)}") from None
+        if moved is not None:
+            print(f"miles: {self.describe(i)}: {moved}", flush=True)
+        with self.lock:
+            self.engines[i] = handle
+            self.started[i] = time.monotonic()
+            self.pids[i] = int(status["pid"])
 
     def _wait_ready(self, i: int) -> None:
         import ray
@@ -228,14 +241,11 @@ class EngineSupervisor:
         try:
             with contextlib.suppress(Exception):
                 ray.kill(self.engines[i], no_restart=True)
-            handle = self._new_actor(i, relocate=True)
             with self.lock:
-                self.engines[i] = handle
                 self.failed.pop(i, None)  # what the health checks said of the old actor
                 self.generations[i] += 1
-                self.started[i] = time.monotonic()
                 self.pids[i] = None
-            self._wait_ready(i)
+            self._start_again(i)
             restored = self._restore(i)
         finally:
             with self.lock:

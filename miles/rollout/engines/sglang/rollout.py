@@ -55,6 +55,9 @@ from miles.utils.actors import owned_remote, tag_for
 logger = logging.getLogger("miles.rollout.sglang")
 
 
+_PLACE_SECONDS = 300.0  # how long a replacement actor may wait for a node with its resources free
+
+
 class RolloutEngineError(EngineFailure):
     """An engine failed and the run cannot go on; the message names the engine."""
 
@@ -246,14 +249,24 @@ class SglangRollout:
         """A new actor for engine i: in its bundle while the bundle's node lives, else on any alive node."""
         import ray
 
-        from miles.rollout.engines.relocation import live_options
+        from miles.rollout.engines.relocation import start_placed
 
         with contextlib.suppress(Exception):
             ray.kill(self.engines[i], no_restart=True)
-        options, moved = live_options(self._options[i])
-        gpu_ids = self._gpu_ids[i] if moved is None else None  # elsewhere: the GPUs Ray gives the new actor
-        self.engines[i] = self._new_actor(i, options, gpu_ids)
-        info = dict(ray.get(self.engines[i].info.remote()))
+        wait = float(self.args.sglang_start_timeout) + _PLACE_SECONDS
+
+        def make(options: dict[str, Any]) -> Any:  # elsewhere than its bundle: the GPUs Ray gives the new actor
+            return self._new_actor(i, options, self._gpu_ids[i] if options is self._options[i] else None)
+
+        try:
+            actor, info, moved = start_placed(self._options[i], make, lambda h: h.info.remote(), timeout=wait)
+        except TimeoutError:
+            raise RolloutEngineError(
+                f"a new actor for sglang engine {i} did not start within {wait:.0f} s (--sglang-start-timeout plus "
+                f"{_PLACE_SECONDS:.0f} s to be placed): no alive node may have its resources free"
+            ) from None
+        self.engines[i] = actor
+        info = dict(info)
         self._check_engine_node(i, info.get("node_id"))
         info["restarts"] = int(self.infos[i].get("restarts", 0)) + 1
         return info, f"a new actor ({moved})" if moved else "a new actor"
