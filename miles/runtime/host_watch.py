@@ -145,16 +145,35 @@ class HostWatch:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop watching (before the job's actors are stopped on purpose); a last look at Ray's node table
-        first, so a host Ray already knows is dead is named even when its actor's error arrived first."""
-        with contextlib.suppress(Exception):
-            self._check_nodes()
+    def stop(self, failing: bool = False) -> None:
+        """Stop watching (before the job's actors are stopped on purpose). When the job is failing, a last look
+        first: Ray's node table and one more ping of every host (up to 3 s), so a lost host is named even when
+        an error of one of its peers (a collective's reset connection) reached the driver first."""
         self._stop.set()
         self._thread.join(timeout=5)
+        if failing and _LOST is None:
+            with contextlib.suppress(Exception):
+                self._last_look(min(3.0, self.timeout))
         if self._previous is not None and threading.current_thread() is threading.main_thread():
             signal.signal(_SIGNAL, self._previous)
             self._previous = None
+
+    def _last_look(self, wait: float) -> None:
+        import ray
+
+        self._check_nodes()
+        live = [h for h in self.hosts.values() if not h.gone and not h.covered]
+        refs = {h.node_id: h.probe.ping.remote() for h in live}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait)
+        for host in live:
+            ref = refs[host.node_id]
+            if ref not in ready:
+                self._lose(host, f"no answer from it within {wait:g} s of the job's failure")
+                continue
+            try:
+                ray.get(ref)
+            except Exception:
+                self._lose(host, "the job's Ray processes there died")
 
     def _raise(self, signum: int, frame: Any) -> None:
         if _LOST is not None:

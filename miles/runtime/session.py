@@ -94,7 +94,7 @@ def ray_job(
         clean = True
     finally:
         if watch is not None:
-            watch.stop()
+            watch.stop(failing=not clean)
         # after a failure or an interrupt the manager gets a few seconds to stop its engines and servers, then
         # Ray ends every actor (the job's cluster, or the driver's actors on a shared one)
         if manager is not None:

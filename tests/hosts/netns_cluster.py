@@ -54,7 +54,7 @@ def netem_available() -> str | None:
     probe = f"miles-nprobe-{os.getpid()}"
     _run(["ip", "netns", "add", probe], check=False)
     try:
-        _run(["ip", "-n", probe, "link", "add", "nprobe0", "type", "dummy"], check=False)
+        _run(["ip", "-n", probe, "link", "add", "nprobe0", "type", "veth", "peer", "name", "nprobe1"], check=False)
         made = _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "nprobe0", "root", "netem"], False)
         if made.returncode != 0:
             return f"this kernel has no netem qdisc ({made.stderr.strip()})"
