@@ -99,7 +99,8 @@ def run_one_host(cwd: Path, argv: list[str], timeout: float = 600) -> tuple[int,
 
 def metrics(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in row.items() if not k.startswith(("perf/", "time/"))} for row in rows]
+    timing = ("perf/", "time/")  # and every `*_time` (seconds measured, e.g. sync/write_time)
+    return [{k: v for k, v in row.items() if not k.startswith(timing) and not k.endswith("_time")} for row in rows]
 
 
 def actor_nodes(out: Path) -> dict[str, str]:
