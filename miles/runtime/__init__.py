@@ -43,6 +43,12 @@ def dispatch(resolved: ResolvedJob) -> int | None:
         except JobInterrupted as exc:
             print(f"miles: interrupted ({exc}); {last_checkpoint_line(args)}", file=sys.stderr, flush=True)
             return exc.exit_code
+        except KeyboardInterrupt as exc:  # a lost host (`host_watch.HostLost`), however Ray passed it on
+            from miles.runtime import host_watch
+
+            if host_watch.lost() is None:
+                raise
+            return report_failure(exc, args)
         except ConfigError:
             raise
         except Exception as exc:

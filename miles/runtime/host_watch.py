@@ -30,8 +30,10 @@ _SIGNAL = signal.SIGUSR1
 _LOST: HostLost | None = None  # the first host lost in this driver (read by the failure report)
 
 
-class HostLost(RuntimeError):
-    """A host of the job was lost; `line` says which, why and what ran there."""
+class HostLost(KeyboardInterrupt):
+    """A host of the job was lost; `line` says which, why and what ran there. A KeyboardInterrupt, as
+    `JobInterrupted` is: a wait in Ray wakes for it (Ray's signal check passes only that class on), and no
+    `except Exception` on the way swallows it."""
 
     def __init__(self, address: str, why: str, held: list[str]) -> None:
         self.address = address
