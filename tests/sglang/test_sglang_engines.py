@@ -1,7 +1,8 @@
 """Two real sglang-diffusion engines behind the miles router, driven by the rollout manager.
 
 One module-scoped manager (one Ray, two servers, ~30 s to start) serves every test, in order:
-contract and parity, full-weight sync, LoRA sync, fault tolerance, then the failure without it.
+contract and parity, full-weight sync, fault tolerance (a killed server, a killed actor), LoRA sync, then the
+failure without it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def manager(tiny_sd3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("sglang_run")
     cli = {**CLI, "hf_checkpoint": str(tiny_sd3_dir), "output_dir": str(out)}
     args = resolve("rl", recipe="tiny-digits-grpo", cli=cli).args
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2
+    )  # a new local Ray, never a cluster someone started
     try:
         mgr = RolloutManager(args, use_ray_engines=True)
         yield mgr
@@ -174,6 +177,30 @@ def test_a_killed_engine_is_restarted_under_fault_tolerance(manager: RolloutMana
 
     checksums = ray.get([engine.weights_checksum.remote() for engine in manager.engines])
     assert checksums[0] == checksums[1]
+
+
+def test_a_killed_engine_actor_is_replaced_by_a_new_actor(manager: RolloutManager) -> None:
+    """The actor itself gone (its process, or its node): its server cannot be restarted in it; a new actor (on a
+    live node) starts a new server, which gets the last synced weights and goes back into the router."""
+    import ray
+
+    before = manager.engine_info()
+    old = manager.engines[0]
+    restarts = len(manager.restart_log())
+    ray.kill(old, no_restart=True)  # its server ends with it (it dies with its parent)
+    samples = manager.run_requests(_requests(manager, 4))  # meanwhile the router sends everything to engine 1
+    assert len(samples) == 16 and all(s.trajectory is not None for s in samples)
+    deadline = time.monotonic() + 180
+    while len(manager.restart_log()) == restarts and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = manager.restart_log()
+    assert len(log) == restarts + 1 and log[-1]["engine"] == 0
+    after = manager.engine_info()
+    assert manager.engines[0] is not old and after[0]["pid"] != before[0]["pid"]
+    assert after[0]["restarts"] == before[0]["restarts"] + 1 and after[0]["url"] == log[-1]["new_url"]
+    assert sorted(manager.sglang.router.workers()) == sorted(info["url"] for info in after)
+    checksums = ray.get([engine.weights_checksum.remote() for engine in manager.engines])
+    assert checksums[0] == checksums[1]  # the new actor's server holds the last synced weights
 
 
 def test_lora_sync_goes_through_set_lora(manager: RolloutManager, tiny_sd3_pipeline) -> None:
