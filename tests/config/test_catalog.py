@@ -293,7 +293,11 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--rollout-backend": (ENUM, "auto"),
     "--rollout-num-engines": (INT, None),
     "--sglang-python": (PATH, None),
-    "--rollout-engine-host": (STR, "127.0.0.1"),
+    "--rollout-engine-host": (STR, "auto"),
+    # issue 45: several hosts
+    "--max-engine-restarts": (INT, 3),
+    "--rollout-manager-node": (STR, "driver"),
+    "--host-timeout": (FLOAT, 30.0),
     "--sglang-start-timeout": (FLOAT, 600.0),
     # issue 32: GRPO-Guard, Flow-GRPO-Fast's shared prefix, MixGRPO's window, solver and compressed schedule
     "--diffusion-grpo-guard": (BOOL, False),

@@ -55,7 +55,7 @@ def test_a_lost_node_interrupts_the_drivers_wait_with_one_line_naming_it(two_nod
     cluster, worker = two_nodes
     other = _other(ray)
     hosts = {other["NodeID"]: ("10.9.9.9", ["actor 1", "engine 0"], False)}
-    watch = host_watch.HostWatch(hosts, timeout=4.0, grace=60.0).start()
+    watch = host_watch.HostWatch(hosts, timeout=4.0, grace=60.0).start()  # timeout: --host-timeout
 
     @ray.remote(num_cpus=0, resources={"other_host": 1})
     def forever() -> None:
