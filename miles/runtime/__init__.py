@@ -44,7 +44,7 @@ def dispatch(resolved: ResolvedJob) -> int | None:
             print(f"miles: interrupted ({exc}); {last_checkpoint_line(args)}", file=sys.stderr, flush=True)
             return exc.exit_code
         except KeyboardInterrupt as exc:  # a lost host (`host_watch.HostLost`), however Ray passed it on
-            from miles.runtime import host_watch
+            import miles.runtime.host_watch as host_watch
 
             if host_watch.lost() is None:
                 raise
@@ -55,7 +55,7 @@ def dispatch(resolved: ResolvedJob) -> int | None:
             return report_failure(exc, args)
         finally:
             set_hook_timeout(None)
-            from miles.runtime import host_watch
+            import miles.runtime.host_watch as host_watch
 
             host_watch.settle()  # the job ended its own way: no forced exit after a lost host
 

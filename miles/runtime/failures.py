@@ -236,8 +236,8 @@ def report_failure(exc: BaseException, args: Any) -> int:
     import sys
     import traceback
 
+    import miles.runtime.host_watch as host_watch
     from miles.core.errors import ConfigError, find_engine_failure
-    from miles.runtime import host_watch
     from miles.runtime.terminal import write_driver_log
     from miles.utils.actors import logs_dir
 

@@ -47,7 +47,7 @@ def start_host_watch(args: Any, placement: RayPlacement, manager_node: tuple[str
     whole job runs on the driver's node."""
     import ray
 
-    from miles.runtime import host_watch
+    import miles.runtime.host_watch as host_watch
 
     host_watch.reset()
     hosts = host_watch.hosts_of(placement, manager_node, bool(getattr(args, "use_fault_tolerance", False)))
