@@ -62,6 +62,20 @@ def live_options(options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return anywhere_alive(options), f"{where} is gone: placed on any alive node with the same resources"
 
 
+NODE_DEATH_WAIT_S = 15.0  # how long a bundle's node may take to be declared dead after an actor in it died
+
+
+def _node_goes(options: dict[str, Any], wait: float, poll: float) -> bool:
+    """Whether the node of `options`' bundle is (or within `wait` seconds is declared) dead."""
+    deadline = time.monotonic() + wait
+    while True:
+        if live_options(options)[1] is not None:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+
+
 def start_placed(
     options: dict[str, Any],
     make: Callable[[dict[str, Any]], Any],
@@ -84,7 +98,17 @@ def start_placed(
     while True:
         ready, _ = ray.wait([ref], timeout=poll)
         if ready:
-            return actor, ray.get(ref), moved
+            try:
+                return actor, ray.get(ref), moved
+            except ray.exceptions.RayActorError:
+                # died in its bundle: when that is because the bundle's node is dying (Ray learns of the node's
+                # death a few seconds after its actors'), start it again anywhere alive; else the error stands
+                if moved is not None or not _node_goes(options, NODE_DEATH_WAIT_S, poll):
+                    raise
+                current, moved = live_options(options)
+                actor = make(current)
+                ref = first_answer(actor)
+                continue
         if moved is None:
             current, moved = live_options(options)
             if moved is not None:  # the bundle's node died while the actor waited for it
