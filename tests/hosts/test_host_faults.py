@@ -53,6 +53,7 @@ def test_a_killed_host_ends_the_job_naming_it_and_a_resume_gives_the_unfaulted_m
     healthy.kill_host(2)
     line = _ends_naming(proc, H2, since)
     assert "actor 1" in line and "last complete checkpoint" in line
+    assert actor_nodes(cwd / "out")["actor 1"] == H2
     no_job_left(healthy)
     healthy.heal(2)
     rc, text = run_on_cluster(healthy, cwd, [*argv, "--num-rollout", "3", "--load", "ckpt"])
@@ -86,6 +87,7 @@ def test_a_slowed_link_changes_nothing_but_time(
     healthy.shape(2, ["tbf", "rate", "20mbit", "burst", "64kb", "latency", "200ms"])
     rc, text = run_on_cluster(healthy, cwd, rl_argv(tiny_sd3_dir, *SPLIT, "--num-rollout", "3", "--output-dir", "out"))
     assert rc == 0, text[-4000:]
+    assert actor_nodes(cwd / "out")["actor 1"] == H2  # its gathers crossed the slowed link
     assert metrics(cwd / "out") == unfaulted
 
 

@@ -74,6 +74,7 @@ def test_a_reward_service_on_another_host(hosts, tiny_sd3_dir: Path, tmp_path: P
         argv = rl_argv(tiny_sd3_dir, "--num-rollout", "1", "--output-dir", "out", "--rm-type", "remote_rm")
         rc, text = run_on_cluster(hosts, cwd, [*argv, "--rm-url", url])
         assert rc == 0, text[-4000:]
+        assert actor_nodes(cwd / "out")["rollout_manager 0"] == H0  # the job's reward calls crossed to host 2
         assert metrics(cwd / "out")[0]["rollout/reward/raw_mean"] >= 0.0
     finally:
         service.terminate()
