@@ -444,4 +444,7 @@ def _one_line(text: str) -> str:
 
 
 def entry() -> None:
+    import miles.runtime.host_watch as host_watch
+
+    host_watch.FORCE_EXIT = True  # the `miles` command: a driver stuck on a lost host exits (never in-process)
     sys.exit(main())

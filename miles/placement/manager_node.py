@@ -23,7 +23,11 @@ def setting(args: Any) -> str:
 
 def describe(args: Any, job: str) -> str | None:
     """One line for the plan: where the manager will run (None for a job without one)."""
-    if job not in JOBS_WITH_MANAGER or getattr(args, "train_only", False):
+    if (
+        job not in JOBS_WITH_MANAGER
+        or getattr(args, "train_only", False)
+        or getattr(args, "load_debug_rollout_data", None)
+    ):
         return None
     where = setting(args)
     text = {DRIVER: "the node the command runs on", HEAD: "Ray's head node"}.get(where, f"the node at {where}")

@@ -37,6 +37,9 @@ def dispatch(resolved: ResolvedJob) -> int | None:
     from miles.utils.deadline import set_hook_timeout
 
     set_hook_timeout(args.hook_timeout)  # the hooks the driver runs (log functions)
+    import miles.runtime.host_watch as host_watch
+
+    host_watch.reset()  # no lost host of an earlier job in this process
     with interrupts():
         try:
             return module.run(resolved)

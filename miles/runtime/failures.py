@@ -244,10 +244,9 @@ def report_failure(exc: BaseException, args: Any) -> int:
     log_dir = logs_dir(args) if args.output_dir else None
     write_driver_log("".join(traceback.format_exception(exc)))
     lost = host_watch.lost()  # a lost host is the cause, whichever of its actors' errors arrived first
-    if lost is not None:
-        failure: Failure | None = Failure(1, host_lost_line(lost, args))
-    else:
-        failure = explain(exc, log_dir)
+    failure = explain(exc, log_dir)
+    if lost is not None and (failure is None or failure.code != 2):  # a user's mistake is said as it is
+        failure = Failure(1, host_lost_line(lost, args))
     if failure is None:
         engine = find_engine_failure(exc)
         if engine is not None:

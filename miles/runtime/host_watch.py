@@ -4,7 +4,8 @@ Ray notices a host whose processes died within seconds, but one whose link went 
 timeout (about a minute), and until then every wait on that host's actors hangs. The watch pins a tiny probe
 actor on each host of the job and pings it every second; a host is lost when Ray reports its node dead or when
 its probe has not answered for `--host-timeout` seconds. Then the watch interrupts the driver's main thread
-(SIGUSR1, like Ctrl-C wakes a wait on an actor), which raises `HostLost`; the job's `finally` blocks stop the
+(SIGUSR1, like Ctrl-C wakes a wait on an actor), which raises `HostLost`; the `miles` command exits 15 s later
+if the driver has not ended by then; the job's `finally` blocks stop the
 actors, and the failure line names the host and what ran there, whatever error Ray raised first.
 
 Under `--use-fault-tolerance` a host that held only rollout engines is covered: its loss is said and the engine
@@ -58,6 +59,7 @@ def reset() -> None:
 
 
 _EXIT_TIMER: threading.Timer | None = None
+FORCE_EXIT = False  # set by the `miles` command (`miles_cli.main.entry`): never in a process that runs jobs in-process
 
 
 def _arm_exit(grace: float, final_line: Callable[[HostLost], str]) -> None:
@@ -95,6 +97,7 @@ class _Host:
     probe: Any = None
     pending: Any = None  # the ping in flight
     last_answer: float = 0.0
+    answered: bool = False
     gone: bool = False
 
 
@@ -117,7 +120,7 @@ class HostWatch:
         timeout: float,
         final_line: Callable[[HostLost], str] = lambda lost: lost.line,
         interval: float = 1.0,
-        grace: float = 5.0,
+        grace: float = 15.0,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -136,7 +139,7 @@ class HostWatch:
         self.grace = float(grace)
         self.final_line = final_line
         self._stop = threading.Event()
-        self._main = threading.main_thread().ident
+        self._main: int | None = None  # the thread SIGUSR1 interrupts: the main thread, once its handler is set
         self._thread = threading.Thread(target=self._run, name="miles-host-watch", daemon=True)
         self._previous: Any = None
 
@@ -144,6 +147,7 @@ class HostWatch:
     def start(self) -> HostWatch:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(_SIGNAL, self._raise)
+            self._main = threading.main_thread().ident
         self._thread.start()
         return self
 
@@ -164,7 +168,8 @@ class HostWatch:
         import ray
 
         self._check_nodes()
-        live = [h for h in self.hosts.values() if not h.gone and not h.covered]
+        # hosts whose probe has answered once: one still starting (a busy host) is not a lost one
+        live = [h for h in self.hosts.values() if not h.gone and not h.covered and h.answered]
         refs = {h.node_id: h.probe.ping.remote() for h in live}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait)
         for host in live:
@@ -178,17 +183,26 @@ class HostWatch:
                 self._lose(host, "the job's Ray processes there died")
 
     def _raise(self, signum: int, frame: Any) -> None:
-        if _LOST is not None:
+        if _LOST is not None and not self._stop.is_set():  # a job already ending its own way is not interrupted
             raise _LOST
 
     # ---- the watch --------------------------------------------------------------------------------
     def _run(self) -> None:
+        import logging
+
+        import ray
+
+        warned = False
         while not self._stop.wait(self.interval):
             try:
                 self._check_nodes()
                 self._ping()
-            except Exception:  # Ray shutting down under the watch: nothing to watch any more
-                return
+            except Exception as exc:  # Ray shut down under the watch, or one slow answer of a busy head
+                if self._stop.is_set() or not ray.is_initialized():
+                    return
+                if not warned:
+                    logging.getLogger("miles.runtime").warning("host watch: %s (watching on)", exc)
+                    warned = True
 
     def _check_nodes(self) -> None:
         import ray
@@ -212,6 +226,7 @@ class HostWatch:
                     try:
                         ray.get(done[0])
                         host.last_answer = now
+                        host.answered = True
                     except Exception:  # the probe's process is gone: so is the host's Ray (or the host)
                         self._lose(host, "the job's Ray processes there died")
                         continue
@@ -236,7 +251,8 @@ class HostWatch:
             if self._main is not None and not self._stop.is_set():
                 with contextlib.suppress(Exception):
                     signal.pthread_kill(self._main, _SIGNAL)
-                _arm_exit(self.grace, self.final_line)
+                if FORCE_EXIT:
+                    _arm_exit(self.grace, self.final_line)
 
 
 def hosts_of(placement: Any, manager_node: tuple[str, str] | None, fault_tolerant: bool) -> dict[str, Any]:

@@ -33,6 +33,7 @@ def head_address() -> tuple[str, int] | None:
     except Exception:
         return None
     host, _, port = str(address).rpartition(":")
+    host = host.strip("[]")  # an IPv6 literal
     return (host, int(port)) if host and port.isdigit() else None
 
 

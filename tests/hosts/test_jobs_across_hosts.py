@@ -20,8 +20,11 @@ def test_ranks_on_two_hosts_give_one_hosts_metrics_and_relative_paths_land_under
     nodes = actor_nodes(cwd / "out")
     assert nodes == {"actor 0": H1, "actor 1": H2, "engine 0": H1, "rollout_manager 0": H0}, nodes
     assert "rollout manager on node 10.233.0.11" in text
-    # gloo found every rank by its node's own address although the hostname resolves to loopback
-    assert "name resolves to 127.0.0.1 (loopback)" in text
+    # gloo found every rank by its node's own address, although here the hostname resolves to loopback
+    import socket
+
+    if socket.gethostbyname(socket.gethostname()).startswith("127."):
+        assert "name resolves to 127." in text and "(loopback)" in text
     # relative --output-dir / --save / --eval-prompt-data: resolved in the driver's folder, not the raylets'
     assert (cwd / "out" / "checkpoint" / "model_index.json").is_file()
     assert (cwd / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"

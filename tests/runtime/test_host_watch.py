@@ -80,18 +80,18 @@ def test_an_engine_only_host_under_fault_tolerance_is_said_and_does_not_end_the_
 
     cluster, worker = two_nodes
     other = _other(ray)
-    watch = host_watch.HostWatch({other["NodeID"]: ("10.9.9.9", ["engine 0"], True)}, timeout=4.0).start()
+    hosts = {other["NodeID"]: ("10.9.9.9", ["engine 0"], True)}
+    watch = host_watch.HostWatch(hosts, timeout=4.0, grace=60.0).start()
     time.sleep(1.5)
     cluster.remove_node(worker, allow_graceful=False)
     deadline = time.monotonic() + 15
-    while "host 10.9.9.9 lost" not in capsys.readouterr().out + "":
+    while not watch.hosts[other["NodeID"]].gone:
         assert time.monotonic() < deadline
         time.sleep(0.5)
-        if watch.hosts[other["NodeID"]].gone:
-            break
     watch.stop()
     assert host_watch.lost() is None  # covered: no failure
-    assert watch.hosts[other["NodeID"]].gone
+    said = capsys.readouterr().out
+    assert "host 10.9.9.9 lost: " in said and "its engines are re-placed on live hosts (--use-fault-tolerance)" in said
 
 
 def test_the_manager_node_is_the_drivers_the_heads_or_an_address_and_a_wrong_one_is_refused(head) -> None:

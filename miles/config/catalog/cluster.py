@@ -104,7 +104,7 @@ FLAGS: list[Flag] = [
         "Seconds a host of the job may stay silent (its Ray node gone or unreachable) before the job ends "
         "naming it (or, under --use-fault-tolerance, re-places the engines it held); an actor cut off from the "
         "Ray head this long exits, so nothing of the job keeps running on a lost host.",
-        min=1,
+        min=3,
     ),
     _f(
         "distributed-timeout-minutes",

@@ -100,10 +100,15 @@ def start_placed(
         if ready:
             try:
                 return actor, ray.get(ref), moved
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as exc:
                 # died in its bundle: when that is because the bundle's node is dying (Ray learns of the node's
-                # death a few seconds after its actors'), start it again anywhere alive; else the error stands
-                if moved is not None or not _node_goes(options, NODE_DEATH_WAIT_S, poll):
+                # death a few seconds after its actors'), start it again anywhere alive; else the error stands (a
+                # constructor that raised is the engine's own failure, said at once)
+                if (
+                    "creation task" in str(exc)
+                    or moved is not None
+                    or not _node_goes(options, NODE_DEATH_WAIT_S, poll)
+                ):
                     raise
                 current, moved = live_options(options)
                 actor = make(current)

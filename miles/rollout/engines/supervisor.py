@@ -41,6 +41,8 @@ MAX_RESTARTS_PER_CALL = 3  # an engine that dies more often while serving one ro
 DEFAULT_MAX_RESTARTS = 3  # per engine and job, when the args name none (--max-engine-restarts)
 CI_CRASH_ROLLOUT = 2  # the first rollout id the CI fault injection crashes engine 0 in
 
+RESTART_PLACE_S = 900.0  # a restarted engine must be placed and started within this (seconds)
+
 
 class DiffusersEngineError(EngineFailure):
     """An in-process engine failed and the run cannot go on; the message names the engine."""
@@ -151,7 +153,10 @@ class EngineSupervisor:
 
         try:
             handle, status, moved = start_placed(
-                self._options(i), lambda options: self._new_actor(i, options), lambda h: h.status.remote()
+                self._options(i),
+                lambda options: self._new_actor(i, options),
+                lambda h: h.status.remote(),
+                timeout=RESTART_PLACE_S,  # no live node with free resources: an error, not a wait forever
             )
         except Exception as exc:
             self.shutdown()

@@ -105,6 +105,8 @@ class EngineRecovery:
         problem = health_problem(url, self.timeout)
         if problem is None:
             return Diagnosis(TRANSIENT, f"healthy on its host and reachable at {url} again", node_ip)
+        if node_ip == self.manager_ip:  # on the manager's own host nothing is in between: a busy or stuck server
+            return Diagnosis(SERVER_DOWN, f"{url}: {problem} (from its own host)", node_ip)
         return Diagnosis(UNREACHABLE, f"{url}: {problem}", node_ip)
 
     # ---- the router's callback (its own thread) -----------------------------------------------------------
