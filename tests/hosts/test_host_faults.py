@@ -1,7 +1,7 @@
 """Host faults: a host's processes killed, its link down, its link slowed, an engine-only host lost under fault
-tolerance. A lost host ends the job within --host-timeout (8 s here) plus at most the `miles` command's 15 s grace, in one line
-naming it, with nothing of the job left running in any namespace; a resumed run gives the unfaulted run's
-metrics; a slowed link changes nothing but time; a lost engine is re-placed on a live host."""
+tolerance. A lost host ends the job within --host-timeout (8 s here) plus at most the `miles` command's 15 s
+grace, in one line naming it, with nothing of the job left running in any namespace; a resumed run gives the
+unfaulted run's metrics; a slowed link changes nothing but time; a lost engine is re-placed on a live host."""
 
 from __future__ import annotations
 
