@@ -37,10 +37,21 @@ def head_address() -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
+def _on_the_head() -> bool:
+    """Whether this actor runs on the head's own node (one host, a laptop): it cannot be cut off from it."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() == (head_address() or ("",))[0]
+    except Exception:
+        return False
+
+
 def start(timeout: float, name: str, interval: float = 1.0) -> threading.Thread | None:
-    """Watch the head from a daemon thread; None when this process is not in a Ray cluster."""
+    """Watch the head from a daemon thread; None when this process is not in a Ray cluster or runs on the head's
+    node (every actor of a one-host job: no thread, no connection)."""
     address = head_address()
-    if address is None:
+    if address is None or _on_the_head():
         return None
 
     def watch() -> None:
