@@ -277,11 +277,11 @@ def test_log_tail_keeps_the_last_start_and_its_errors_first(tmp_path: Path) -> N
     assert tail[0].endswith("address already in use")
     assert "old failure" not in "\n".join(tail) and "warnings.warn" not in "\n".join(tail)
     assert tail[-1] == "kill_process_tree called" and len(tail) == 6
-    from miles.rollout.engines.sglang.rollout import _failure_line
+    from miles.rollout.engines.failure_text import with_cause
 
     exc = RuntimeError("sglang engine 3 exited with code 1 while starting (log x):\n" + "\n".join(tail))
-    assert _failure_line(exc).endswith("address already in use")
-    assert _failure_line(exc).startswith("sglang engine 3 exited with code 1")
+    assert with_cause(exc).endswith("address already in use")
+    assert with_cause(exc).startswith("sglang engine 3 exited with code 1")
 
 
 def test_sglang_without_gpus_keeps_its_weights_under_colocate(

@@ -35,6 +35,7 @@ from miles.core.errors import EngineFailure
 from miles.models.lora_sync import is_lora_entry
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.engine_state import HEALTH_GROUP
+from miles.rollout.engines.failure_text import first_line
 from miles.rollout.engines.health import HealthConfig, HealthMonitor, HealthTarget
 
 MAX_RESTARTS_PER_CALL = 3  # an engine that dies more often while serving one rollout gives up the run
@@ -57,13 +58,6 @@ class _Call:
     generation: int = -1
 
 
-def failure_line(exc: BaseException) -> str:
-    """The innermost error of a Ray failure, in one line (an actor whose constructor raised: what it raised)."""
-    from miles.rollout.engines.failure_text import first_line
-
-    return first_line(exc)
-
-
 def ray_probe(handles: Sequence[Any], timeout: float) -> list[str | None]:
     """The health probe: every engine's status on its "health" thread, all within `timeout` seconds."""
     import ray
@@ -79,9 +73,9 @@ def ray_probe(handles: Sequence[Any], timeout: float) -> list[str | None]:
         except GetTimeoutError:
             answers.append(f"no answer to a health check within {timeout:g} s (--rollout-health-check-timeout)")
         except RayActorError as exc:
-            answers.append(f"its actor died: {failure_line(exc)}")
+            answers.append(f"its actor died: {first_line(exc)}")
         except Exception as exc:
-            answers.append(f"its health check failed: {failure_line(exc)}")
+            answers.append(f"its health check failed: {first_line(exc)}")
     return answers
 
 
@@ -160,7 +154,7 @@ class EngineSupervisor:
             )
         except Exception as exc:
             self.shutdown()
-            raise DiffusersEngineError(f"{self.describe(i)} failed to start: {failure_line(exc)}") from None
+            raise DiffusersEngineError(f"{self.describe(i)} failed to start: {first_line(exc)}") from None
         if moved is not None:
             print(f"miles: {self.describe(i)}: {moved}", flush=True)
         with self.lock:
@@ -175,7 +169,7 @@ class EngineSupervisor:
             status = ray.get(self.engines[i].status.remote())
         except Exception as exc:
             self.shutdown()
-            raise DiffusersEngineError(f"{self.describe(i)} failed to start: {failure_line(exc)}") from None
+            raise DiffusersEngineError(f"{self.describe(i)} failed to start: {first_line(exc)}") from None
         self.pids[i] = int(status["pid"])
 
     def shutdown(self) -> None:
@@ -434,7 +428,7 @@ class EngineSupervisor:
                     i = call.engine
                     if call.generation == self.generations[i]:  # the first news of this actor's death
                         restarts[i] = restarts.get(i, 0) + 1
-                        self._engine_failed(i, f"its actor died: {failure_line(exc)} (during a request)", restarts[i])
+                        self._engine_failed(i, f"its actor died: {first_line(exc)} (during a request)", restarts[i])
                     waiting[ref] = k  # re-sent below with the dead actor's other unfinished calls
                 # every unfinished call of a replaced actor goes to its successor, in the original order
                 stale = sorted(

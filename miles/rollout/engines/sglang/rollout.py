@@ -122,7 +122,7 @@ class SglangRollout:
                 self.infos.append(ray.get(engine.info.remote()))
             except Exception as exc:
                 self.shutdown()
-                raise RolloutEngineError(f"sglang engine {i} failed to start: {_failure_line(exc)}") from None
+                raise RolloutEngineError(f"sglang engine {i} failed to start: {with_cause(exc)}") from None
         try:
             for i, info in enumerate(self.infos):
                 self._check_engine_node(i, info.get("node_id"))
@@ -228,7 +228,7 @@ class SglangRollout:
         except GetTimeoutError:
             raise ActorUnanswered(f"its actor did not answer within {timeout:g} s") from None
         except Exception as exc:  # the actor died (with its node, or its process)
-            raise ActorUnanswered(f"its actor is gone: {_failure_line(exc)}") from None
+            raise ActorUnanswered(f"its actor is gone: {with_cause(exc)}") from None
 
     def restart_engine(self, i: int, reason: str, replace_actor: bool) -> None:
         self._restart(i, reason, replace_actor)
@@ -522,7 +522,7 @@ class SglangRollout:
                 ]
             )
         except Exception as exc:
-            raise RolloutEngineError(f"weight sync verification failed: {_failure_line(exc)}") from None
+            raise RolloutEngineError(f"weight sync verification failed: {with_cause(exc)}") from None
         return sum(len(digests) for digests in expected.values())
 
     def _base_files(self, target: str = "transformer") -> list[Path]:
@@ -573,10 +573,3 @@ def _dtype(name: str) -> Any:
     from miles.models.loading import torch_dtype
 
     return torch_dtype(name)
-
-
-def _failure_line(exc: BaseException) -> str:
-    """The innermost error a Ray task raised, in one line: its first line, plus the first error line after it (a
-    start failure's message ends with the server's log tail), else its last line; for an actor whose constructor
-    raised, the error it raised, not Ray's header (`failure_text.with_cause`)."""
-    return with_cause(exc)
