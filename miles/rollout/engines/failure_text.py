@@ -24,12 +24,17 @@ def innermost(exc: BaseException) -> BaseException:
     return cause
 
 
+def constructor_failed(exc: BaseException) -> bool:
+    """Whether `exc` says the actor's constructor raised (Ray's "creation task" text), not that its process died."""
+    return "creation task" in str(innermost(exc))
+
+
 def raised_text(exc: BaseException) -> str:
     """The message (all its lines) of the innermost error under `exc`; for an actor whose constructor raised, the
     message Ray kept in its text."""
     cause = innermost(exc)
     text = str(cause).strip()
-    if "creation task" in text:
+    if constructor_failed(cause):
         last = text  # a chained error: the one raised last follows the last "... occurred:" / "... exception:"
         for marker in ("another exception occurred:", "the direct cause of the following exception:"):
             if marker in last:

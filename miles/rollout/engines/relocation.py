@@ -91,6 +91,8 @@ def start_placed(
     TimeoutError."""
     import ray
 
+    from miles.rollout.engines.failure_text import constructor_failed
+
     current, moved = live_options(options)
     actor = make(current)
     ref = first_answer(actor)
@@ -104,11 +106,7 @@ def start_placed(
                 # died in its bundle: when that is because the bundle's node is dying (Ray learns of the node's
                 # death a few seconds after its actors'), start it again anywhere alive; else the error stands (a
                 # constructor that raised is the engine's own failure, said at once)
-                if (
-                    "creation task" in str(exc)
-                    or moved is not None
-                    or not _node_goes(options, NODE_DEATH_WAIT_S, poll)
-                ):
+                if constructor_failed(exc) or moved is not None or not _node_goes(options, NODE_DEATH_WAIT_S, poll):
                     raise
                 current, moved = live_options(options)
                 actor = make(current)
