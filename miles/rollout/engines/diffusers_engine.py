@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from miles.core.inputs import input_path
+from miles.core.packed import Packed
 from miles.core.sample import Conditions, Sample, Trajectory
 from miles.models.families import resolve_family
 from miles.models.loading import quiet_loading
@@ -357,7 +358,8 @@ class _EngineActor(RecoverableEngine, DiffusersEngine):
     """The engine inside a Ray actor. Ray starts a zero-CPU actor with one intra-op thread; on a CPU
     machine generation and training take turns, so the engine takes every core while it runs (as
     the trainer actors do). Its "health" concurrency group answers health checks while it generates
-    (`miles.rollout.engines.engine_state`)."""
+    (`miles.rollout.engines.engine_state`); the constructor and every other method run on one thread of the
+    actor's own (`miles.utils.compute_thread`: one OpenMP pool, not two taking turns)."""
 
     def __init__(self, args: Any, device: str | None = None) -> None:
         import os
@@ -366,9 +368,21 @@ class _EngineActor(RecoverableEngine, DiffusersEngine):
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         super().__init__(args, device)
 
+    # samples leave the actor packed (`miles.core.packed`: a few stacked tensors, not a pickle per tensor)
+    def generate(self, requests: list[GenerateRequest]) -> Any:
+        return Packed(super().generate(requests))
+
+    def generate_guest(self, args: Any, requests: list[GenerateRequest]) -> Any:
+        return Packed(super().generate_guest(args, requests))
+
+    def generate_few_step(self, requests: list[GenerateRequest]) -> Any:
+        return Packed(super().generate_few_step(requests))
+
 
 def engine_actor_class() -> Any:
     """The engine as a Ray actor class (Ray is imported only here)."""
     from miles.utils.actors import owned_remote
+    from miles.utils.compute_thread import run_on_own_thread
 
-    return owned_remote(_EngineActor, concurrency_groups={HEALTH_GROUP: 1})
+    actor = run_on_own_thread(_EngineActor, elsewhere=("status", "simulate_crash"))
+    return owned_remote(actor, concurrency_groups={HEALTH_GROUP: 1})
