@@ -75,12 +75,15 @@ def run(resolved: ResolvedJob) -> int:
                 metrics.update(step_metrics)
                 if guard is not None:
                     metrics.update(guard.after_rollout(metrics))
-                save_debug_data(args, rollout_id, batch.samples, step_metrics)
-                if log_rollout(args, rollout_id, batch.samples, batch.metrics):  # the hook replaced rollout logging
+                # `batch.samples` is fetched into the driver only where something reads it (`RolloutBatch`)
+                if args.save_debug_rollout_data or args.save_debug_train_data:
+                    save_debug_data(args, rollout_id, batch.samples, step_metrics)
+                hooked = bool(args.custom_rollout_log_function_path)
+                if hooked and log_rollout(args, rollout_id, batch.samples, batch.metrics):  # the hook replaced it
                     advance(logger.log(rollout_id, {k: v for k, v in metrics.items() if k not in batch.metrics}))
                 else:
                     advance(logger.log(rollout_id, metrics))
-                    logger.log_images(rollout_id, *_images(args, batch.samples))
+                    logger.log_images(rollout_id, *_images(args, batch.preview))
                 if save_due(args, rollout_id, num_rollout) or (guard is not None and guard.ended and args.save):
                     with dash.span("save", rollout_id=rollout_id), phases.trainers_awake():
                         save(args, manager, group, rollout_id, guard)
@@ -272,11 +275,12 @@ def run_iteration(
     with dash.span(f"rollout {rollout_id}", "iteration", track="iterations", rollout_id=rollout_id):
         with dash.span("rollout") as span:
             batch = ray.get(manager.generate.remote(rollout_id))
-        dash.rollout(rollout_id, span.start, batch.metrics, batch.samples)
+        if dash.enabled:
+            dash.rollout(rollout_id, span.start, batch.metrics, batch.samples)
         metrics = dict(batch.metrics)
         phases.to_train()
         with dash.span("train"):
-            metrics.update(train_metrics(group.train(rollout_id, batch.samples)))
+            metrics.update(train_metrics(group.train(rollout_id, batch.trainer_input())))
         phases.to_sync()
         if not args.debug_skip_optimizer_step:
             t1 = time.perf_counter()

@@ -136,12 +136,18 @@ class TrainerGroup:
     def _all(self, method: str, *args: Any) -> list[Any]:
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
 
-    def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]:
-        ref = ray.put(samples)
+    def train(self, rollout_id: int, samples: Any) -> dict[str, float]:
+        """One rollout's training on every rank: `samples` is a list, or a reference to one in Ray's object store
+        (`RolloutBatch.trainer_input`: the manager put it there, the driver never fetched it)."""
+        from miles.core.packed import Packed
+
+        ref = samples if isinstance(samples, ray.ObjectRef) else ray.put(Packed(samples))  # once for every rank
         return self._all("train", rollout_id, ref)[0]
 
     def train_sft(self, x0: Any, samples: list[Any]) -> dict[str, float]:
-        return self._all("train_sft", ray.put(x0), ray.put(samples))[0]
+        from miles.core.packed import Packed
+
+        return self._all("train_sft", ray.put(x0), ray.put(Packed(samples)))[0]
 
     def engine_weights(self) -> dict[str, Any]:
         """Every rank joins the all-gather; rank 0's copy is returned."""

@@ -261,3 +261,41 @@ def test_a_restart_whose_bundle_node_is_gone_goes_anywhere_alive(
     finally:
         sup.shutdown()
         remove_placement_group(group)
+
+
+def test_a_rollout_batch_leaves_an_actor_as_a_reference_and_a_preview(local_ray) -> None:
+    """`RolloutBatch` out of an actor: the samples stay in the object store (packed) until read; the driver holds a
+    reference the trainers take and a preview of the first 64 samples without trajectories."""
+    from miles.core.sample import Sample, Trajectory
+    from miles.rollout.manager import PREVIEW_SAMPLES, RolloutBatch
+
+    ray = local_ray
+
+    @ray.remote(num_cpus=0)
+    class Maker:
+        def make(self, n: int) -> RolloutBatch:
+            samples = [
+                Sample(
+                    index=i,
+                    group_index=i // 10,
+                    prompt=f"p{i}",
+                    trajectory=Trajectory(
+                        latents=torch.full((3, 2), float(i)), timesteps=torch.ones(2), sigmas=torch.ones(3)
+                    ),
+                    image=torch.full((3, 2, 2), float(i)),
+                )
+                for i in range(n)
+            ]
+            return RolloutBatch(rollout_id=7, samples=samples, metrics={"m": 1.0})
+
+    batch = ray.get(Maker.remote().make.remote(70))
+    assert batch.rollout_id == 7 and batch.metrics == {"m": 1.0}
+    assert batch._samples is None and isinstance(batch.trainer_input(), ray.ObjectRef)
+    assert len(batch.preview) == PREVIEW_SAMPLES and batch.preview[5].trajectory is None
+    assert float(batch.preview[5].image[0, 0, 0]) == 5.0
+    fetched = ray.get(batch.trainer_input())
+    assert [s.index for s in fetched] == list(range(70)) and torch.equal(
+        fetched[9].trajectory.latents, torch.full((3, 2), 9.0)
+    )
+    assert [s.index for s in batch.samples] == list(range(70))  # read: fetched once, then kept
+    assert batch.trainer_input() is batch.samples
