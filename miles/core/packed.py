@@ -20,18 +20,20 @@ import torch
 
 
 class Packed:
-    """Pickles as `obj` (`pickle.loads` returns the object, not this wrapper)."""
+    """Pickles as `obj` (`pickle.loads` returns the object, not this wrapper). The packing happens here, on the
+    thread that makes it: an engine packs on its compute thread (`miles.utils.compute_thread`), not on the Ray
+    thread that sends the result, whose torch work would start a second OpenMP pool in the process."""
 
-    __slots__ = ("obj",)
+    __slots__ = ("reduced",)
 
     def __init__(self, obj: Any) -> None:
-        self.obj = obj
+        try:
+            self.reduced: tuple[Any, tuple[Any, ...]] = (_unpack, pack(obj))
+        except (pickle.PicklingError, TypeError, AttributeError):  # e.g. a local function: pickled as usual
+            self.reduced = (_same, (obj,))
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        try:
-            return _unpack, pack(self.obj)
-        except (pickle.PicklingError, TypeError, AttributeError):  # e.g. a local function: pickled as usual
-            return _same, (self.obj,)
+        return self.reduced
 
 
 def _same(obj: Any) -> Any:
