@@ -63,9 +63,8 @@ def bare_generate(args: object, prompts: list[str]) -> float:
     from diffusers import StableDiffusion3Pipeline
 
     from miles.core.inputs import input_path
-    from miles.models.tiny.metadata import max_sequence_length
-
     from miles.models.loading import quiet_loading
+    from miles.models.tiny.metadata import max_sequence_length
 
     checkpoint = input_path(args, args.hf_checkpoint)
     with quiet_loading():
