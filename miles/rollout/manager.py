@@ -215,7 +215,19 @@ class RolloutManager:
         """Ray options of engine i: its slot of the plan, or no GPU without a placement."""
         if self.placement is None:
             return {"num_gpus": 0, "num_cpus": 0}
-        return self.placement.options(self.placement.slots("engine")[i])
+        slot = self.placement.slots("engine")[i]
+        options = self.placement.options(slot)
+        user_threads = "OMP_NUM_THREADS" in (self.args.train_env_vars or {})  # --train-env-vars: every actor's
+        if not self.placement.gpu_mode and not user_threads:  # a CPU engine takes its node's cores (torch_threads)
+            import os
+
+            import ray
+
+            from miles.utils.torch_threads import thread_options
+
+            if self.placement.node_id(slot) == ray.get_runtime_context().get_node_id():
+                options.update(thread_options(os.cpu_count()))
+        return options
 
     def engine_slot(self, i: int) -> str:
         """Where engine i runs, for messages: "node 0, GPU 3" ("node 0, CPU" on a CPU cluster); "" without a plan."""

@@ -16,6 +16,7 @@ import ray
 
 from miles.placement.ray_placement import RayPlacement, actor_placement_info
 from miles.utils.actors import owned_remote, tag_for
+from miles.utils.torch_threads import thread_options
 
 
 def _free_port() -> tuple[str, int]:
@@ -56,13 +57,13 @@ class TrainerActor:
     def __init__(
         self, args: Any, rank: int, world: int, addr: str, port: int, total_steps: int, across_hosts: bool = False
     ) -> None:
-        import torch
 
         from miles.training.trainer import Trainer
+        from miles.utils.torch_threads import use_threads
 
         if across_hosts:
             use_node_interface(args)
-        torch.set_num_threads(train_threads(args, world))
+        use_threads(train_threads(args, world))
         self.trainer = Trainer(args, rank, world, addr, port, total_steps)
 
     def ready(self) -> bool:
@@ -118,8 +119,13 @@ class TrainerGroup:
         # ranks on several Ray nodes: each rank's gloo uses its node's own interface (`use_node_interface`)
         across = len({placement.node_id(slot) for slot in self.slots}) > 1
         actor_cls = owned_remote(TrainerActor)
+        # a rank on the driver's own node starts with its torch threads (`miles.utils.torch_threads`)
+        here = ray.get_runtime_context().get_node_id()
+        threads = train_threads(args, self.world)
         self.actors = [
-            actor_cls.options(**placement.options(slot)).remote(
+            actor_cls.options(
+                **placement.options(slot), **thread_options(threads if placement.node_id(slot) == here else None)
+            ).remote(
                 args,
                 slot.index,
                 self.world,

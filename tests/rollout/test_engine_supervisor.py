@@ -299,3 +299,25 @@ def test_a_rollout_batch_leaves_an_actor_as_a_reference_and_a_preview(local_ray)
     )
     assert [s.index for s in batch.samples] == list(range(70))  # read: fetched once, then kept
     assert batch.trainer_input() is batch.samples
+
+
+def test_an_actor_started_with_thread_options_has_its_threads_without_setting_them(local_ray) -> None:
+    """Ray starts a fractional-CPU actor with OMP_NUM_THREADS=1; the hint starts it with 2, so torch has 2 threads
+    and `use_threads(2)` has nothing to set."""
+    from miles.utils.torch_threads import thread_options
+
+    ray = local_ray
+
+    @ray.remote(num_cpus=0.0001)
+    class Probe:
+        def threads(self) -> tuple[str | None, int]:
+            import os
+
+            import torch as t
+
+            return os.environ.get("OMP_NUM_THREADS"), t.get_num_threads()
+
+    plain = ray.get(Probe.remote().threads.remote())
+    hinted = ray.get(Probe.options(**thread_options(2)).remote().threads.remote())
+    assert plain == ("1", 1)
+    assert hinted == ("2", 2)

@@ -364,8 +364,10 @@ class _EngineActor(RecoverableEngine, DiffusersEngine):
     def __init__(self, args: Any, device: str | None = None) -> None:
         import os
 
+        from miles.utils.torch_threads import use_threads
+
         if not torch.cuda.is_available():
-            torch.set_num_threads(max(1, os.cpu_count() or 1))
+            use_threads(max(1, os.cpu_count() or 1))
         super().__init__(args, device)
 
     # samples leave the actor packed (`miles.core.packed`: a few stacked tensors, not a pickle per tensor)
