@@ -121,8 +121,15 @@ class RolloutManager:
     job's plan says; without it (tests, benches) Ray actors get no GPU."""
 
     def __init__(
-        self, args: Any, engines: list[Any] | None = None, use_ray_engines: bool = False, placement: Any = None
+        self,
+        args: Any,
+        engines: list[Any] | None = None,
+        use_ray_engines: bool = False,
+        placement: Any = None,
+        started: list[Any] | None = None,
     ) -> None:
+        """`engines`: in-process engines to use; `use_ray_engines`: engine actors in the slots of `placement`,
+        `started` by the driver already (`miles.rollout.engines.engine_start`) or started here."""
         self.args = args
         self.placement = placement
         self._data_source: Any = None
@@ -132,7 +139,7 @@ class RolloutManager:
         self.supervisor: Any = None  # EngineSupervisor of the diffusers engine actors (health, restarts)
         # when the last call of `run_requests` had every sample generated (its scoring may end later)
         self.generation_end: float | None = None
-        self.engines = engines if engines is not None else self._make_engines()
+        self.engines = engines if engines is not None else self._make_engines(started)
         if use_ray_engines:
             self._make_reward_pools()
 
@@ -154,32 +161,18 @@ class RolloutManager:
             make_reward_pools(self.args, pooled, placement=self.placement)
 
     def engine_options(self, i: int) -> dict[str, Any]:
-        """Ray options of engine i: its slot of the plan, or no GPU without a placement."""
-        if self.placement is None:
-            return {"num_gpus": 0, "num_cpus": 0}
-        slot = self.placement.slots("engine")[i]
-        options = self.placement.options(slot)
-        user_threads = "OMP_NUM_THREADS" in (self.args.train_env_vars or {})  # --train-env-vars: every actor's
-        if not self.placement.gpu_mode and not user_threads:  # a CPU engine takes its node's cores (torch_threads)
-            import os
+        """Ray options of engine i (`miles.rollout.engines.engine_start`), for a restart from here."""
+        from miles.rollout.engines.engine_start import engine_options
 
-            import ray
-
-            from miles.utils.torch_threads import thread_options
-
-            if self.placement.node_id(slot) == ray.get_runtime_context().get_node_id():
-                options.update(thread_options(os.cpu_count()))
-        return options
+        return engine_options(self.args, self.placement, i)
 
     def engine_slot(self, i: int) -> str:
-        """Where engine i runs, for messages: "node 0, GPU 3" ("node 0, CPU" on a CPU cluster); "" without a plan."""
-        if self.placement is None:
-            return ""
-        slot = self.placement.slots("engine")[i]
-        gpus = self.placement.gpu_ids(slot)
-        return f"node {slot.node}, " + (f"GPU {','.join(str(g) for g in gpus)}" if gpus else "CPU")
+        """Where engine i runs, for messages: "node 0, GPU 3" ("node 0, CPU" on a CPU cluster)."""
+        from miles.rollout.engines.engine_start import engine_slot
 
-    def _make_engines(self) -> list[Any]:
+        return engine_slot(self.placement, i)
+
+    def _make_engines(self, started: list[Any] | None = None) -> list[Any]:
         from miles.placement.plan import num_engines
 
         num = len(self.placement.slots("engine")) if self.placement is not None else num_engines(self.args)
@@ -195,7 +188,7 @@ class RolloutManager:
         from miles.rollout.engines.supervisor import EngineSupervisor
 
         # started and waited for (a load error names the engine), health-checked, restarted under fault tolerance
-        self.supervisor = EngineSupervisor(self.args, num, self.engine_options, self.engine_slot)
+        self.supervisor = EngineSupervisor(self.args, num, self.engine_options, self.engine_slot, started=started)
         return self.supervisor.engines  # the supervisor's list: a restart replaces its entry
 
     # ---- offload between phases (--offload-rollout) --------------------------------------------

@@ -68,9 +68,12 @@ def ray_job(
 
     from miles.placement.ray_placement import place
     from miles.placement.render import plan_lines
+    from miles.rollout.engines.engine_start import prefetch_engine_class, start_engine_actors, starts_engine_actors
 
     out = prepare_output_dir(resolved)
     prepare_inputs(args)
+    if manager_class is not None and starts_engine_actors(args):
+        prefetch_engine_class()  # torch, imported while Ray starts: the engines' class needs it
     init_ray(args)
     manager = None
     manager_node = None
@@ -84,10 +87,12 @@ def ray_job(
 
             manager_node = where.find_node(where.setting(args))
             print(f"miles: rollout manager on node {manager_node[1]} (--rollout-manager-node {where.setting(args)})")
+            # the engines start now, beside the manager, not after its process is up (`engine_start`)
+            engines = start_engine_actors(args, placement) if starts_engine_actors(args) else None
             manager = (
                 manager_class()
                 .options(**where.actor_options(manager_node[0]))
-                .remote(args, None, True, placement, _miles_tag=tag_for(args, "rollout_manager"))
+                .remote(args, None, True, placement, engines, _miles_tag=tag_for(args, "rollout_manager"))
             )
         watch = start_host_watch(args, placement, manager_node)
         yield JobSession(out, placement, manager, manager_node=manager_node, metrics_start=metrics_mark(out))

@@ -16,7 +16,7 @@ import ray
 
 from miles.placement.ray_placement import RayPlacement, actor_placement_info
 from miles.utils.actors import owned_remote, tag_for
-from miles.utils.torch_threads import thread_options
+from miles.utils.torch_threads import thread_options_here
 
 
 def _free_port() -> tuple[str, int]:
@@ -24,6 +24,16 @@ def _free_port() -> tuple[str, int]:
         s.bind(("", 0))
         port = s.getsockname()[1]
     return ray.util.get_node_ip_address(), port
+
+
+def rendezvous(placement: RayPlacement, first: Any) -> tuple[str, int]:
+    """The address and a free port of rank 0's node for the ranks' process group: found here when rank 0 is on
+    the driver's node, else by a task in rank 0's bundle (a worker process to start: about 1 s)."""
+    if placement.node_id(first) == ray.get_runtime_context().get_node_id():
+        return _free_port()
+    options = placement.options(first)
+    task = ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=options["scheduling_strategy"])
+    return ray.get(task.remote())
 
 
 def train_threads(args: Any, world: int) -> int:
@@ -112,19 +122,15 @@ class TrainerGroup:
         expected = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
         if self.world != expected:
             raise ValueError(f"the placement plan has {self.world} {role} ranks, the args ask for {expected}")
-        first = placement.options(self.slots[0])
-        addr, port = ray.get(
-            ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=first["scheduling_strategy"]).remote()
-        )
+        addr, port = rendezvous(placement, self.slots[0])
         # ranks on several Ray nodes: each rank's gloo uses its node's own interface (`use_node_interface`)
         across = len({placement.node_id(slot) for slot in self.slots}) > 1
         actor_cls = owned_remote(TrainerActor)
         # a rank on the driver's own node starts with its torch threads (`miles.utils.torch_threads`)
-        here = ray.get_runtime_context().get_node_id()
         threads = train_threads(args, self.world)
         self.actors = [
             actor_cls.options(
-                **placement.options(slot), **thread_options(threads if placement.node_id(slot) == here else None)
+                **placement.options(slot), **thread_options_here(placement.node_id(slot), threads)
             ).remote(
                 args,
                 slot.index,

@@ -20,6 +20,14 @@ def thread_options(threads: int | None) -> dict[str, Any]:
     return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(threads)))}}}
 
 
+def thread_options_here(node_id: str, threads: int | None) -> dict[str, Any]:
+    """`thread_options(threads)` for an actor placed on `node_id` when that is the caller's own node, the one node
+    whose cores the caller knows; {} elsewhere (that actor sets its threads itself, `use_threads`)."""
+    import ray
+
+    return thread_options(threads) if node_id == ray.get_runtime_context().get_node_id() else {}
+
+
 def use_threads(threads: int) -> None:
     """torch's intra-op threads at `threads`, set only if it has another count."""
     import torch

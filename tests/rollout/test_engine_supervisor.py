@@ -236,6 +236,33 @@ def test_restarts_stop_at_the_per_job_cap(actor_class: Any, tmp_path: Path) -> N
         sup.shutdown()
 
 
+def test_engines_started_by_the_driver_are_taken_over_and_restarted_like_its_own(
+    actor_class: Any, tmp_path: Path
+) -> None:
+    """`started`: the driver's engine actors (`engine_start`) are the supervisor's engines, none started twice;
+    one that dies is replaced by a new actor from the supervisor, synced like a first start."""
+    import ray
+
+    handles = [actor_class.options(num_cpus=0).remote(_args(tmp_path, True)) for _ in range(2)]
+    pids = ray.get([h.status.remote() for h in handles])
+    args = _args(tmp_path, True)
+    sup = EngineSupervisor(
+        args, 2, lambda i: {"num_cpus": 0}, lambda i: "node 0, CPU", actor_class=actor_class, started=handles
+    )
+    try:
+        assert sup.engines == handles and sup.pids == [p["pid"] for p in pids]
+        sup.sync(_push(sup), {"w": torch.tensor(2.0)}, 1)
+        ray.kill(handles[1], no_restart=True)
+        _wait_dead(handles[1])
+        results = sup.run(_shards(2, 1))
+        assert sup.engines[1] is not handles[1] and [e["engine"] for e in sup.restart_log] == [1]
+        assert all(r["version"] == 1 and r["w"] == 2.0 for r in results)
+    finally:
+        sup.shutdown()
+    with pytest.raises(ValueError, match="1 engine actors started for 2 engines"):
+        EngineSupervisor(args, 2, lambda i: {}, lambda i: "", actor_class=actor_class, started=handles[:1])
+
+
 def test_a_restart_whose_bundle_node_is_gone_goes_anywhere_alive(
     actor_class: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -321,3 +348,13 @@ def test_an_actor_started_with_thread_options_has_its_threads_without_setting_th
     hinted = ray.get(Probe.options(**thread_options(2)).remote().threads.remote())
     assert plain == ("1", 1)
     assert hinted == ("2", 2)
+
+
+def test_thread_options_here_hints_only_actors_on_the_callers_node(local_ray) -> None:
+    """The caller knows its own node's cores only: an actor placed elsewhere gets no hint (it sets its threads)."""
+    from miles.utils.torch_threads import thread_options_here
+
+    here = local_ray.get_runtime_context().get_node_id()
+    assert thread_options_here(here, 2) == {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "2"}}}
+    assert thread_options_here("f" * len(here), 2) == {}
+    assert thread_options_here(here, None) == {}

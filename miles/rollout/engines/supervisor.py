@@ -95,7 +95,11 @@ class EngineSupervisor:
         options: Callable[[int], dict[str, Any]],
         slot: Callable[[int], str],
         actor_class: Any = None,
+        started: list[Any] | None = None,
     ) -> None:
+        """`started`: the engine actors, already created (by the driver), to wait for instead of starting them."""
+        if started is not None and len(started) != num:
+            raise ValueError(f"{len(started)} engine actors started for {num} engines")
         if actor_class is None:
             from miles.rollout.engines.diffusers_engine import engine_actor_class
 
@@ -119,7 +123,7 @@ class EngineSupervisor:
         self._digests: list[dict[str, Any]] | None = None  # per engine, after the last sync (fault tolerance)
         self._crash_pending = False
         self._crash_done = False
-        self.engines: list[Any] = [self._new_actor(i) for i in range(num)]
+        self.engines: list[Any] = list(started) if started is not None else [self._new_actor(i) for i in range(num)]
         for i in range(num):
             self._wait_ready(i)
             print(f"miles: {self.describe(i)} ready", flush=True)
