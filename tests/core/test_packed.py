@@ -63,9 +63,33 @@ def test_tensors_are_stacked_by_dtype_and_shape() -> None:
     _, groups, where = pack(samples)
     # latents, timesteps, sigmas, log_probs, image per sample; two condition tensors per group of samples
     assert len(where) == 6 * 5 + 2 * 2
-    assert sorted(tuple(g.shape) for g in groups) == sorted(
-        [(6, 4, 2, 3, 3), (6, 3), (6, 4), (6, 2), (6, 3, 4, 4), (2, 5, 8), (2, 8)]
+    # each group travels as its bytes (a numpy uint8 array: pickle protocol 5 sends it out of band), dtype, shape
+    assert sorted((dtype, shape) for _, dtype, shape in groups) == sorted(
+        [
+            ("float32", (6, 4, 2, 3, 3)),
+            ("float32", (6, 3)),
+            ("float32", (6, 4)),
+            ("float64", (6, 2)),
+            ("bfloat16", (6, 3, 4, 4)),
+            ("float32", (2, 5, 8)),
+            ("float32", (2, 8)),
+        ]
     )
+    assert all(data.dtype.name == "uint8" and data.ndim == 1 for data, _, _ in groups)
+
+
+def test_groups_travel_out_of_band_and_read_only_buffers_unpack() -> None:
+    """Protocol 5 with a buffer callback (what Ray does): the tensors' bytes leave as buffers, not in the pickle,
+    and read-only buffers (Ray's object store) unpack into writable tensors of their own."""
+    samples = _samples(groups=2, per=3)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(Packed(samples), protocol=5, buffer_callback=buffers.append)
+    payload = sum(t.numel() * t.element_size() for s in samples for t in (s.trajectory.latents, s.image))
+    assert len(data) < payload and sum(b.raw().nbytes for b in buffers) > payload
+    back = pickle.loads(data, buffers=[bytes(b.raw()) for b in buffers])  # bytes: read-only
+    back[0].trajectory.latents.add_(1.0)  # its own, writable
+    assert torch.equal(back[0].trajectory.latents, samples[0].trajectory.latents + 1.0)
+    assert torch.equal(back[1].image, samples[1].image)
 
 
 def test_what_it_cannot_pack_pickles_as_usual() -> None:
