@@ -303,6 +303,11 @@ class TrainPipelineConfig(SglangAdapter):
 
         return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
+    def condition_row(self, batch: Mapping[str, Any], row: int) -> dict[str, Any]:
+        """Row `row` of a batch of conditions as `encode_prompts` made it, as that prompt alone would have it
+        (the inverse of `collate_conditions`). Default: the row (equal shapes, no padding)."""
+        return {k: v[row] for k, v in batch.items()}
+
     def prepare_cond_kwargs(self, cond: Mapping[str, Any]) -> dict[str, Any]:
         """Select this family's condition inputs from a cond dict (a missing one is a KeyError)."""
         missing = [k for k in self.condition_inputs if k not in cond]

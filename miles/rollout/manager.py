@@ -383,12 +383,12 @@ class RolloutManager:
 
     def _generate(self, shards: list[list[GenerateRequest]], on_result: Any) -> list[Sample]:
         """The diffusers engines' samples, one call per microgroup; `on_result` gets each call's samples."""
-        from miles.rollout.engines.diffusers_engine import eval_batches
+        from miles.rollout.engines.diffusers_engine import eval_batches, forward_batch_sizes
 
         if self.supervisor is not None:  # a dead engine's unfinished calls are re-sent
             return self.supervisor.run(shards, on_result=on_result)
-        size = int(self.args.rollout_microgroup_size)
-        units = [(i, unit) for i, shard in enumerate(shards) if shard for unit in eval_batches(shard, size)]
+        sizes = forward_batch_sizes(self.args)
+        units = [(i, unit) for i, shard in enumerate(shards) if shard for unit in eval_batches(shard, *sizes)]
         if not self.use_ray_engines:
             results = []
             for i, unit in units:

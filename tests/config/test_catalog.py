@@ -298,6 +298,8 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--max-engine-restarts": (INT, 3),
     "--rollout-manager-node": (STR, "driver"),
     "--host-timeout": (FLOAT, 30.0),
+    # issue 46: engine forwards sized for the device
+    "--rollout-engine-batch-size": (INT, None),
     "--sglang-start-timeout": (FLOAT, 600.0),
     # issue 32: GRPO-Guard, Flow-GRPO-Fast's shared prefix, MixGRPO's window, solver and compressed schedule
     "--diffusion-grpo-guard": (BOOL, False),

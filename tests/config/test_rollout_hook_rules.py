@@ -80,6 +80,7 @@ def test_engine_side_log_prob_knobs_refused_on_sglang(dest: str, value: object) 
         ("diffusion_shared_prefix", True, "its own seed on its own schedule"),
         ("diffusion_post_sde_steps_ratio", 0.4, "its own seed on its own schedule"),
         ("diffusion_ode_solver", "dpmpp_2m", "its scheduler's"),
+        ("rollout_engine_batch_size", 32, "batches the requests it is sent itself"),
     ],
 )
 def test_diffusers_engine_sampling_plans_refused_on_sglang(dest: str, value: object, why: str) -> None:
@@ -87,3 +88,17 @@ def test_diffusers_engine_sampling_plans_refused_on_sglang(dest: str, value: obj
     message = rejected(rollout_backend="sglang", **group, **{dest: value})
     assert_names(message, "--rollout-backend sglang", why, "use --rollout-backend diffusers")
     assert getattr(run(rollout_backend="diffusers", **group, **{dest: value}).args, dest) == value
+
+
+def test_a_recipes_engine_batch_size_is_dropped_under_sglang() -> None:
+    """tiny-digits-grpo sizes its CPU engine's forwards (--rollout-engine-batch-size 32); served by sglang the
+    recipe still runs, the value derived away (an sglang server batches itself); typed by the user it is refused."""
+    import sys
+
+    from miles.config.resolve import resolve
+
+    sglang = {"rollout_backend": "sglang", "sglang_python": sys.executable}
+    assert resolve("rl", recipe="tiny-digits-grpo").args.rollout_engine_batch_size == 32
+    served = resolve("rl", recipe="tiny-digits-grpo", cli=sglang).args
+    assert served.rollout_engine_batch_size is None
+    assert served.source_of("rollout_engine_batch_size") == "derived"

@@ -240,3 +240,43 @@ def test_evaluation_requests_of_different_prompts_batch_to_their_lone_outputs(ca
     for a, b in zip(flat, together, strict=True):
         assert (a.image - b.image).abs().max().item() <= 1e-5, name
         assert a.conditions is None and b.trajectory is None
+
+
+def test_training_microgroups_batch_to_their_lone_trajectories(case) -> None:
+    """--rollout-engine-batch-size: training microgroups of different prompts (SDE, log-probs recorded) run as
+    one forward batch; each sample's trajectory, log-probs, image and text conditions equal what its microgroup
+    makes alone (to rounding: a larger matmul), and each keeps its own prompt's conditions."""
+    from dataclasses import replace
+
+    from miles.rollout.engines.diffusers_engine import eval_batches
+
+    name, engine, _ = case
+    prompts = ("a handwritten digit 3", "white strokes on a black background, the digit seven")
+    reqs = [
+        replace(
+            _request(engine, 0.7, [[1, 2], [2, 3]], seeds=(11 + 2 * g, 12 + 2 * g)),
+            prompt=prompt,
+            group_index=g,
+            indices=[2 * g, 2 * g + 1],
+        )
+        for g, prompt in enumerate(prompts)
+    ]
+    assert [len(b) for b in eval_batches(reqs, 1, 4)] == [2]
+    alone = [s for r in reqs for s in engine.generate([r])]
+    saved = getattr(engine.args, "rollout_engine_batch_size", None)
+    engine.args.rollout_engine_batch_size = 4
+    try:
+        together = engine.generate(reqs)
+    finally:
+        engine.args.rollout_engine_batch_size = saved
+    assert [(s.index, s.seed, s.prompt) for s in together] == [(s.index, s.seed, s.prompt) for s in alone]
+    for a, b in zip(alone, together, strict=True):
+        assert a.trajectory.sde_step_indices == b.trajectory.sde_step_indices
+        assert (a.trajectory.latents - b.trajectory.latents).abs().max().item() <= 1e-4, name
+        assert (a.trajectory.log_probs - b.trajectory.log_probs).abs().max().item() <= 1e-3, name
+        for key, value in a.conditions.positive.items():  # its own prompt's, unpadded (`condition_row`)
+            assert value.shape == b.conditions.positive[key].shape, (name, key)
+            assert (value - b.conditions.positive[key]).abs().max().item() <= 1e-5, (name, key)
+    assert not torch.equal(
+        next(iter(together[0].conditions.positive.values())), next(iter(together[2].conditions.positive.values()))
+    )

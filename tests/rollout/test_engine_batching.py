@@ -1,4 +1,5 @@
-"""`eval_batches`: which requests the in-process engine runs in one forward."""
+"""`eval_batches`: which requests the in-process engine runs in one forward (evaluation requests up to
+--rollout-microgroup-size samples, training microgroups up to --rollout-engine-batch-size)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,23 @@ def test_rollout_requests_and_different_settings_stay_alone() -> None:
     assert [[r.prompt for r in b] for b in eval_batches(mixed, 16)] == [["a"], ["b", "c"], ["d"]]
     extra = [_req("a"), _req("b", extra={"frames": 2})]
     assert [len(b) for b in eval_batches(extra, 16)] == [1, 1]
+
+
+def test_training_microgroups_batch_up_to_the_engine_batch_size() -> None:
+    """The third argument is --rollout-engine-batch-size (`forward_batch_sizes`)."""
+    train = [_req(p, 4, evaluation=False) for p in "abcde"]
+    assert [len(b) for b in eval_batches(train, 16, 8)] == [2, 2, 1]
+    assert [len(b) for b in eval_batches(train, 16, 0)] == [1] * 5  # unset: each microgroup alone
+    assert [len(b) for b in eval_batches(train, 16, 3)] == [1] * 5  # a microgroup larger than the batch: alone
+    # evaluation and training never share a batch; each kind keeps its own size
+    mixed = [_req("a", 2), _req("b", 2, evaluation=False), _req("c", 2, evaluation=False), _req("d", 2)]
+    assert [[r.prompt for r in b] for b in eval_batches(mixed, 1, 8)] == [["a"], ["b", "c"], ["d"]]
+
+
+def test_microgroups_with_a_schedule_of_their_own_stay_alone() -> None:
+    shared = [_req(p, 2, evaluation=False, shared_prefix=True) for p in "ab"]
+    assert [len(b) for b in eval_batches(shared, 16, 16)] == [1, 1]
+    tail = [_req(p, 2, evaluation=False, post_sde_steps_ratio=0.5) for p in "ab"]
+    assert [len(b) for b in eval_batches(tail, 16, 16)] == [1, 1]
+    other = [_req("a", 2, evaluation=False), _req("b", 2, evaluation=False, record_means=True)]
+    assert [len(b) for b in eval_batches(other, 16, 16)] == [1, 1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.config.args import RECIPE
 from miles.config.resolution import Resolution
 
 if TYPE_CHECKING:
@@ -40,6 +41,14 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
             res.fail(
                 f"{res.show(dest)} with {res.show('rollout_backend')}: the sglang server samples each output from "
                 "its own seed on its own schedule; use --rollout-backend diffusers"
+            )
+    if res["rollout_engine_batch_size"] is not None:  # how the in-process engine batches its forwards
+        if res.source("rollout_engine_batch_size") == RECIPE:  # a CPU recipe's setting: not this backend's
+            res.derive("rollout_engine_batch_size", None)
+        else:
+            res.fail(
+                f"{res.show('rollout_engine_batch_size')} with {res.show('rollout_backend')}: the sglang server "
+                "batches the requests it is sent itself; use --rollout-backend diffusers"
             )
     if res["diffusion_ode_solver"] != "euler":
         res.fail(

@@ -202,6 +202,15 @@ class Cosmos3TrainPipelineConfig(TrainPipelineConfig):
             "fps": torch.stack([r["fps"].reshape(1) for r in rows]),
         }
 
+    def condition_row(self, batch: Mapping[str, Any], row: int) -> dict[str, Any]:
+        """The row's ids and mask without the padding a longer prompt of its batch gave them."""
+        length = int(batch["text_mask"][row].sum())
+        return {
+            "text_ids": batch["text_ids"][row, :length],
+            "text_mask": batch["text_mask"][row, :length],
+            "fps": batch["fps"][row],
+        }
+
     # ---- forward: one packed sample at a time --------------------------------------------------------
     def forward_velocity(self, transformer: Any, latents: Any, timestep: Any, cond: Mapping[str, Any]) -> Any:
         """Each row packed as `Cosmos3OmniPipeline` packs its one sample (text ids, then the vision tokens, with

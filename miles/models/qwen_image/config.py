@@ -13,6 +13,7 @@ Torch-free at import. What differs from SD3, all inside this config:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -116,6 +117,16 @@ class QwenImageTrainPipelineConfig(TrainPipelineConfig):
         return {
             "encoder_hidden_states": torch.stack([pad(r["encoder_hidden_states"]) for r in rows]),
             "encoder_hidden_states_mask": torch.stack([pad(r["encoder_hidden_states_mask"]) for r in rows]),
+        }
+
+    def condition_row(self, batch: Mapping[str, Any], row: int) -> dict[str, Any]:
+        """The row without the padding a longer prompt of its batch gave it (the mask's ones, padded on the
+        right)."""
+        mask = batch["encoder_hidden_states_mask"][row]
+        length = int(mask.sum())
+        return {
+            "encoder_hidden_states": batch["encoder_hidden_states"][row, :length],
+            "encoder_hidden_states_mask": mask[:length],
         }
 
     # ---- forward ---------------------------------------------------------------------------------

@@ -32,24 +32,43 @@ from miles.utils.offload import own_memory
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def eval_batches(requests: list[GenerateRequest], max_samples: int) -> list[list[GenerateRequest]]:
-    """Requests in order, each alone, except that consecutive evaluation requests that agree on everything
-    but prompt and seeds share a batch of at most `max_samples` samples (ODE, nothing recorded per step)."""
+def eval_batches(
+    requests: list[GenerateRequest], max_samples: int, max_train_samples: int = 0
+) -> list[list[GenerateRequest]]:
+    """The engine's forward batches, requests in order: consecutive evaluation requests that agree on everything
+    but prompt and seeds share a batch of at most `max_samples` samples (ODE, nothing recorded per step);
+    consecutive training microgroups that agree alike share one of at most `max_train_samples`
+    (--rollout-engine-batch-size; 0: each alone), unless a microgroup runs its own schedule (a shared prefix,
+    a compressed tail). Every sample keeps its own seeds, SDE steps and prompt."""
     batches: list[list[GenerateRequest]] = []
     for req in requests:
         last = batches[-1] if batches else None
+        limit = max_samples if req.evaluation else max_train_samples
         if (
             last is not None
-            and req.evaluation
-            and last[0].evaluation
+            and _joinable(req)
+            and _joinable(last[0])
+            and req.evaluation == last[0].evaluation
             and _batch_key(req) == _batch_key(last[0])
             and req.extra == last[0].extra
-            and sum(len(r.seeds) for r in last) + len(req.seeds) <= max(1, max_samples)
+            and sum(len(r.seeds) for r in last) + len(req.seeds) <= max(1, limit)
         ):
             last.append(req)
         else:
             batches.append([req])
     return batches
+
+
+def _joinable(req: GenerateRequest) -> bool:
+    """A training microgroup with a schedule of its own (one shared prefix, a tail compressed after its window)
+    runs alone."""
+    return req.evaluation or (not req.shared_prefix and req.post_sde_steps_ratio is None)
+
+
+def forward_batch_sizes(args: Any) -> tuple[int, int]:
+    """(evaluation samples, training samples) per engine forward: --rollout-microgroup-size for evaluation,
+    --rollout-engine-batch-size for training microgroups (unset: each alone)."""
+    return int(args.rollout_microgroup_size), int(getattr(args, "rollout_engine_batch_size", None) or 0)
 
 
 def _batch_key(req: GenerateRequest) -> tuple[Any, ...]:
@@ -64,6 +83,9 @@ def _batch_key(req: GenerateRequest) -> tuple[Any, ...]:
         req.sde_type,
         req.num_frames,
         req.guidance_scale_2,
+        req.debug,
+        req.record_means,
+        req.ode_solver,
     )
 
 
@@ -175,11 +197,9 @@ class DiffusersEngine:
 
     @torch.no_grad()
     def generate(self, requests: list[GenerateRequest]) -> list[Sample]:
-        """Run each microgroup; return the completed samples in request order. Evaluation requests (ODE, no
-        trajectory) that agree on size, steps and guidance run together, up to `--rollout-microgroup-size`
-        samples per forward, whatever their prompts."""
+        """Run the requests in forward batches (`eval_batches`); return the completed samples in request order."""
         out: list[Sample] = []
-        for batch in eval_batches(requests, int(self.args.rollout_microgroup_size)):
+        for batch in eval_batches(requests, *forward_batch_sizes(self.args)):
             out.extend(self._generate_microgroup(batch))
         return out
 
@@ -200,8 +220,8 @@ class DiffusersEngine:
         return generate_few_step(self, requests)
 
     def _generate_microgroup(self, reqs: list[GenerateRequest]) -> list[Sample]:
-        """One microgroup (a prompt's samples), or several evaluation requests batched by `eval_batches`:
-        every row its own seed, the text conditions encoded once per prompt."""
+        """One microgroup (a prompt's samples), or several requests batched by `eval_batches`: every row its own
+        seed and SDE steps, the text conditions encoded once per prompt."""
         start = time.perf_counter()
         family, pipe = self.family, self.pipe
         req = reqs[0]  # the batch shares everything but prompts and seeds
@@ -310,10 +330,13 @@ class DiffusersEngine:
         stacked = torch.stack([lat.expand(m, *shape) for lat in latents], dim=1) if record else None
         debug_outputs = torch.stack([o.expand(m, *shape) for o in outputs], dim=1) if outputs else None
         stored_cfg = cfg_scale if do_cfg else 1.0
-        pos_rows = {k: v[0].detach().float().cpu() for k, v in pos.items()}
+        # each request's own text conditions (one object its samples share); the negative is one for all
         neg_rows = {k: v[0].detach().float().cpu() for k, v in neg.items()} if neg is not None else None
-        owners = [(r, j) for r in reqs for j in range(len(r.seeds))]
-        for b, (owner, j) in enumerate(owners):
+        pos_rows = [
+            {k: v.detach().float().cpu() for k, v in family.condition_row(pos, p).items()} for p in range(len(reqs))
+        ]
+        owners = [(p, r, j) for p, r in enumerate(reqs) for j in range(len(r.seeds))]
+        for b, (p, owner, j) in enumerate(owners):
             trajectory = None
             if stacked is not None:
                 trajectory = Trajectory(
@@ -331,7 +354,7 @@ class DiffusersEngine:
                 owner.sample(
                     j,
                     trajectory=trajectory,
-                    conditions=None if req.evaluation else Conditions(pos_rows, neg_rows, stored_cfg, scale_2),
+                    conditions=None if req.evaluation else Conditions(pos_rows[p], neg_rows, stored_cfg, scale_2),
                     image=images[b].clone(),
                     inference_time_s=elapsed / m,
                     denoiser_calls=calls / m,

@@ -398,15 +398,15 @@ class EngineSupervisor:
         import ray
         from ray.exceptions import RayActorError
 
-        from miles.rollout.engines.diffusers_engine import eval_batches
+        from miles.rollout.engines.diffusers_engine import eval_batches, forward_batch_sizes
 
         self.recover()
-        size = int(self.args.rollout_microgroup_size)
+        sizes = forward_batch_sizes(self.args)
         calls = [
             _Call(i, unit)
             for i, shard in enumerate(shards)
             if shard
-            for unit in (eval_batches(shard, size) if split else [shard])
+            for unit in (eval_batches(shard, *sizes) if split else [shard])
         ]
         waiting: dict[Any, int] = {}
         for k, call in enumerate(calls):
