@@ -100,6 +100,24 @@ def test_dtype_flags_make_the_fsdp_mixed_precision_policy(
         assert "offload_policy" not in kwargs  # --fsdp-cpu-offload is off
 
 
+def test_one_rank_wraps_the_root_alone_unless_it_offloads(base_args: Any, sharded: list) -> None:
+    """World 1: one FSDP unit (the root), nothing to shard or stream per block; --fsdp-cpu-offload keeps the
+    per-block units (each block's parameters come in from host memory on their own)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = TinyDiT()
+        shard(model, base_args)
+        assert [module for module, _ in sharded] == [model]
+        sharded.clear()
+        offloaded = TinyDiT()
+        shard(offloaded, base_args.with_values({"fsdp_cpu_offload": True}, "cli"))
+        assert [module for module, _ in sharded] == [*offloaded.transformer_blocks, offloaded]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fsdp_cpu_offload_shards_with_the_cpu_offload_policy(base_args: Any, sharded: list) -> None:
     shard(TinyDiT(), base_args.with_values({"fsdp_cpu_offload": True}, "cli"))
     policies = [kwargs["offload_policy"] for _, kwargs in sharded]
