@@ -6,11 +6,6 @@ import logging
 import os
 from typing import Any
 
-# A local cluster starts no idle workers ahead of time: every miles actor has a runtime environment of its own (its
-# torch threads) or the job's, so Ray could not hand it one of those, and on 2 cores their start (about 1.5 CPU-s)
-# slowed the actors' start by about 1 s.
-LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-
 
 def init_ray(args: Any) -> None:
     """Join the cluster at RAY_ADDRESS when set; otherwise start a new local one sized to this machine (never
@@ -47,7 +42,6 @@ def init_ray(args: Any) -> None:
         include_dashboard=False,
         runtime_env=runtime_env,
         log_to_driver=True,
-        _system_config=LOCAL_SYSTEM_CONFIG,
         **quiet,
     )
     reinstall()
