@@ -195,9 +195,9 @@ app.command("eval", context_settings=_CONTEXT, rich_help_panel="Jobs")(_job_comm
 app.command("rollout-only", context_settings=_CONTEXT, rich_help_panel="Jobs")(_job_command("rollout-only"))
 
 
-def _replay_body(ctx: typer.Context, rollout: str, **kwargs: Any) -> None:
+def _replay_body(ctx: typer.Context, rollout: str, **kwargs: Any) -> int | None:
     """Train on a saved rollout file (rollout_{id}.pt) with no engines started."""
-    _run_job("replay", ctx, kwargs, replay_path=rollout)
+    return _run_job("replay", ctx, kwargs, replay_path=rollout)  # its exit code: a failed replay is not a pass
 
 
 app.command("replay", context_settings=_CONTEXT, rich_help_panel="Jobs")(

@@ -27,9 +27,13 @@ def load_yaml(text: str, label: str) -> tuple[Any, Node | None]:
         node = loader.get_single_node()
         if node is None:
             return None, None
+        check_cycles(node, label)
+        check_expanded_size(node, label)  # first: the walks below visit an alias's target at every use
+        check_depth(node, label)
         check_duplicate_keys(node, label)
-        check_expanded_size(node, label)
         return loader.construct_document(node), node
+    except RecursionError:  # PyYAML composes recursively: nesting deeper than Python's stack ends there
+        raise ConfigError(f"{label}: nested deeper than {MAX_DEPTH} levels") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -38,6 +42,53 @@ def load_yaml(text: str, label: str) -> tuple[Any, Node | None]:
         raise ConfigError(f"{label}: invalid YAML: {str(exc).splitlines()[0]}") from None
     finally:
         loader.dispose()
+
+
+MAX_DEPTH = 64  # levels of nesting a document may have (a config needs a handful)
+
+
+def _children(node: Node) -> list[Node]:
+    from yaml import MappingNode, SequenceNode
+
+    if isinstance(node, MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, SequenceNode):
+        return list(node.value)
+    return []
+
+
+def check_cycles(root: Node, label: str) -> None:
+    """ConfigError when an alias refers to a mapping or list that contains it (`a: &x {b: *x}`): the value
+    would be infinite, and every reader of it (printing, copying, comparing the args) would never end."""
+    state: dict[int, int] = {}  # id -> 1 while its children are walked, 2 once done
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, leaving = stack.pop()
+        if leaving:
+            state[id(node)] = 2
+            continue
+        if state.get(id(node)) == 2:
+            continue
+        state[id(node)] = 1
+        stack.append((node, True))
+        for child in _children(node):
+            if state.get(id(child)) == 1:
+                raise ConfigError(
+                    f"{label}:{child.start_mark.line + 1}: a YAML alias (*x) refers to the mapping or list that "
+                    "contains it: the value would be infinite"
+                )
+            if id(child) not in state:
+                stack.append((child, False))
+
+
+def check_depth(root: Node, label: str) -> None:
+    """ConfigError when the document nests deeper than MAX_DEPTH levels (naming the line where it does)."""
+    stack: list[tuple[Node, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{label}:{node.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in _children(node))
 
 
 def check_duplicate_keys(root: Node, label: str) -> None:

@@ -31,7 +31,7 @@ def dispatch(resolved: ResolvedJob) -> int | None:
     mistake found there is re-raised as the same ConfigError, exit 2), Ctrl-C/SIGTERM exit 130/143."""
     module = _driver(resolved)
     from miles.runtime.failures import report_failure
-    from miles.runtime.signals import JobInterrupted, interrupts, last_checkpoint_line
+    from miles.runtime.signals import as_interrupt, interrupts, last_checkpoint_line
 
     args = resolved.args
     from miles.utils.deadline import set_hook_timeout
@@ -43,15 +43,15 @@ def dispatch(resolved: ResolvedJob) -> int | None:
     with interrupts():
         try:
             return module.run(resolved)
-        except JobInterrupted as exc:
-            print(f"miles: interrupted ({exc}); {last_checkpoint_line(args)}", file=sys.stderr, flush=True)
-            return exc.exit_code
-        except KeyboardInterrupt as exc:  # a lost host (`host_watch.HostLost`), however Ray passed it on
+        except KeyboardInterrupt as exc:
             import miles.runtime.host_watch as host_watch
 
-            if host_watch.lost() is None:
-                raise
-            return report_failure(exc, args)
+            if host_watch.lost() is not None:  # a lost host (`host_watch.HostLost`), however Ray passed it on
+                return report_failure(exc, args)
+            # Ctrl-C or SIGTERM, raised by our handler or, inside a wait on Ray, as Ray's own KeyboardInterrupt
+            interrupt = as_interrupt(exc)
+            print(f"miles: interrupted ({interrupt}); {last_checkpoint_line(args)}", file=sys.stderr, flush=True)
+            return interrupt.exit_code
         except ConfigError:
             raise
         except Exception as exc:

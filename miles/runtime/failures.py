@@ -34,6 +34,7 @@ ONE_LINE_ERRORS = (
     "miles.rollout.engines.sglang.rollout.RolloutEngineError",
     "miles.rollout.rm_hub.errors.RewardError",
     "miles.utils.deadline.HookTimeout",
+    "miles.utils.disk.DiskFull",
 )
 _HEADER = re.compile(r"ray::([\w.<>]+)\(\)\S*\s*\(pid=(\d+), ip=([^,)]+)(?:, actor_id=(\w+))?")
 
@@ -230,6 +231,17 @@ def host_lost_line(lost: Any, args: Any) -> str:
     return f"{lost.line}; {last_checkpoint_line(args)}{_log_hint(log_dir)}"
 
 
+def _disk_full_line(exc: BaseException) -> str | None:
+    """The line of a write that ran out of space in the driver: the `DiskFull` (or ENOSPC error) it raised."""
+    from miles.utils.disk import DiskFull, is_disk_full
+
+    if isinstance(exc, DiskFull):
+        return str(exc)
+    if isinstance(exc, OSError) and is_disk_full(exc):
+        return str(DiskFull(exc.filename or "a file")) if exc.filename else f"no space left on device: {exc}"
+    return None
+
+
 def report_failure(exc: BaseException, args: Any) -> int:
     """Say `exc` in one line on the terminal (its traceback goes to logs/driver.log) and return the exit code;
     a user's mistake found inside an actor is raised again as the ConfigError it was (exit 2)."""
@@ -249,7 +261,10 @@ def report_failure(exc: BaseException, args: Any) -> int:
         failure = Failure(1, host_lost_line(lost, args))
     if failure is None:
         engine = find_engine_failure(exc)
-        if engine is not None:
+        full = _disk_full_line(exc)
+        if full is not None:  # the driver's own write ran out of space
+            failure = Failure(1, full)
+        elif engine is not None:
             failure = Failure(1, engine)
         else:
             where = f"; traceback in {log_dir / 'driver.log'}" if log_dir else ""

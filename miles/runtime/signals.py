@@ -38,7 +38,8 @@ def interrupts() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    seen: list[int] = []
+    seen = _RECEIVED
+    seen.clear()
 
     def handler(signum: int, frame: Any) -> None:
         seen.append(signum)
@@ -59,6 +60,21 @@ def interrupts() -> Iterator[None]:
 
 
 _ACTIVE: Any = None
+_RECEIVED: list[int] = []  # the signals the active handler took, in order
+
+
+def received() -> int | None:
+    """The first signal the driver took inside `interrupts()`, if any: Ray's waits turn the `JobInterrupted` the
+    handler raised into a plain KeyboardInterrupt, so the signal is read from here."""
+    return _RECEIVED[0] if _RECEIVED else None
+
+
+def as_interrupt(exc: KeyboardInterrupt) -> JobInterrupted:
+    """`exc` as the `JobInterrupted` of the signal that caused it (SIGINT when none was recorded: a Ctrl-C that
+    reached Python before the handler)."""
+    if isinstance(exc, JobInterrupted):
+        return exc
+    return JobInterrupted(received() or signal.SIGINT)
 
 
 def reinstall() -> None:

@@ -22,14 +22,46 @@ from miles.utils.actors import USER_LINE
 
 _LOCK = threading.Lock()
 _DRIVER_LOG: Path | None = None
+_LOG_FAILED = False  # driver.log could not be written (a full disk): nothing more is tried
 
 
 def _append(lines: list[str]) -> None:
-    if _DRIVER_LOG is None:
+    """Append to driver.log; never raises: a log that cannot be written (a full disk) is said once on stderr
+    and left, so that reporting a failure never needs the disk."""
+    if _DRIVER_LOG is None or _LOG_FAILED:
         return
-    with _LOCK, _DRIVER_LOG.open("a", encoding="utf-8", errors="replace") as handle:
-        for line in lines:
-            handle.write(line.rstrip("\n") + "\n")
+    try:
+        with _LOCK, _DRIVER_LOG.open("a", encoding="utf-8", errors="replace") as handle:
+            for line in lines:
+                handle.write(line.rstrip("\n") + "\n")
+    except OSError as exc:
+        _note_log_failure(exc)
+
+
+class _DriverLogHandler(logging.FileHandler):
+    """driver.log for Ray's and miles' loggers: a record it cannot write is dropped (`_note_log_failure`),
+    never logging's own traceback on the terminal."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _LOG_FAILED:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        _note_log_failure(error if isinstance(error, OSError) else OSError(str(error)))
+
+
+def _note_log_failure(exc: OSError) -> None:
+    """Say once on stderr that driver.log cannot be written, and stop trying."""
+    global _LOG_FAILED
+    if not _LOG_FAILED:
+        _LOG_FAILED = True
+        why = exc.strerror or str(exc)
+        print(
+            f"miles: warning: cannot write {_DRIVER_LOG} ({why}); the rest of Ray's output is dropped",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def write_driver_log(text: str) -> None:
@@ -51,7 +83,7 @@ def _forwarded(data: dict[str, Any], ignore_prefix: bool = False) -> None:
 
 def quiet_ray(log_dir: Path) -> Path:
     """Send Ray's chatter to `log_dir/driver.log` (created); returns its path."""
-    global _DRIVER_LOG
+    global _DRIVER_LOG, _LOG_FAILED
     try:
         import ray._private.worker as ray_worker  # first: importing Ray configures its logger
     except ImportError:  # a stand-in `ray` (tests)
@@ -59,7 +91,8 @@ def quiet_ray(log_dir: Path) -> Path:
 
     log_dir.mkdir(parents=True, exist_ok=True)
     _DRIVER_LOG = log_dir / "driver.log"
-    handler = logging.FileHandler(_DRIVER_LOG, encoding="utf-8")
+    _LOG_FAILED = False
+    handler = _DriverLogHandler(_DRIVER_LOG, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler._miles_driver_log = True  # type: ignore[attr-defined]
     # on the root logger: `ray.init(configure_logging=False)` clears the "ray" logger's own handlers, and its

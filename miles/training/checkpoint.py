@@ -45,6 +45,7 @@ from miles.training.checkpoint_index import (
     write_manifest,
 )
 from miles.utils.atomic import atomic_write_text
+from miles.utils.disk import writing
 
 __all__ = [
     "LATEST_FILE",
@@ -103,6 +104,11 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / iter_dir_name(step)
 
+    with writing(final):  # out of space: one DiskFull naming the checkpoint; the latest stays the last whole one
+        return _write_checkpoint(root, final, step, parts, json_parts)
+
+
+def _write_checkpoint(root: Path, final: Path, step: int, parts: dict[str, Any], json_parts: dict[str, Any]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     trash: Path | None = None
     try:

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from miles.utils.disk import writing
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO[Any]]:
@@ -19,18 +21,19 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', not {mode!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **kwargs) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with writing(path):  # out of space anywhere here: one DiskFull naming `path` (`miles.utils.disk`)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, mode, **kwargs) as handle:
+                yield handle
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

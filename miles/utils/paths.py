@@ -54,11 +54,14 @@ def atomic_directory(final: Path, *, replace: bool = False) -> Iterator[Path]:
     leaves either the old folder or the new one, never neither. An interrupted build never leaves a half-written
     `final` behind, only a `.<name>.tmp-*` sibling that is removed.
     """
+    from miles.utils.disk import writing
+
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        yield tmp
+        with writing(final):  # out of space while the folder is written: one DiskFull naming it
+            yield tmp
         if final.exists() and final.is_dir() and not any(final.iterdir()):
             final.rmdir()
         if replace and final.exists():

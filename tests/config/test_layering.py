@@ -344,3 +344,28 @@ def test_the_resolution_keeps_what_each_layer_set() -> None:
     assert res.value_at("diffusion_num_steps", ("default", "recipe", "cli")) == 35
     assert res.value_at("diffusion_num_steps", ("default",)) == 10  # the flag's default
     assert res.value_at("diffusion_flow_shift", ("default", "recipe", "cli")) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("custom: &a {b: *a}\n", ":1: a YAML alias (*x) refers to the mapping or list that contains it"),
+        ("lr: 1.0e-4\ncustom: &a [1, *a]\n", ":2: a YAML alias (*x) refers to the mapping or list that contains it"),
+        ("custom: " + "[" * 100 + "]" * 100 + "\n", ":1: nested deeper than 64 levels"),
+        ("custom: " + "[" * 5000 + "]" * 5000 + "\n", ": nested deeper than 64 levels"),
+    ],
+)
+def test_yaml_alias_cycles_and_deep_nesting_are_one_line(
+    tmp_path: Path, recipe: str, text: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A value that would be infinite (an alias inside what it names) or nests past any config's need (PyYAML
+    composes recursively: thousands of levels would end in a RecursionError) is a usage error naming the file."""
+    from miles_cli.main import main
+
+    path = tmp_path / "c.yaml"
+    assert f"{path}{said}" in rejected("rl", recipe=recipe, cli=with_yaml(path, text))
+    capsys.readouterr()
+    assert main(["inspect-config", "--recipe", recipe, "--custom-config-path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err.splitlines()[0]
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

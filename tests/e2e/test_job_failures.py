@@ -39,6 +39,10 @@ async def raising_rm(args, samples):
     raise KeyError("label")
 
 
+def stalled_loss(args, batch, model_output):
+    time.sleep(600)
+
+
 async def slow_rm(args, samples):
     time.sleep(600)
     return [0.0] * len(samples)
@@ -206,6 +210,21 @@ def test_a_driver_killed_with_sigkill_leaves_no_ray_process(tiny_sd3_dir: Path, 
     job = Job(tmp_path, [], tiny_sd3_dir).run(lambda j: j.proc.kill(), when="rollout 0 ", delay=0.5)
     assert job.rc == -signal.SIGKILL
     assert left_behind(job.out, wait_s=15.0) == []
+
+
+def test_sigterm_while_the_driver_waits_on_a_stalled_trainer_exits_143_with_the_line(
+    tiny_sd3_dir: Path, tmp_path: Path
+) -> None:
+    """The driver spends a real job's time waiting in Ray: a signal there (Ray raises its own KeyboardInterrupt)
+    still says the interrupted line, exits 128 + the signal and leaves nothing running."""
+    extra = ["--loss-type", "custom_loss", "--custom-loss-function-path", "job_hooks.stalled_loss"]
+    job = Job(tmp_path, extra, tiny_sd3_dir).run(lambda j: j.proc.terminate(), when="ready", delay=12.0)
+    assert job.rc == 143, job.text[-4000:]
+    assert "miles: interrupted (SIGTERM); no checkpoint (no --save)" in job.text, job.text[-4000:]
+    assert "Traceback" not in job.text and job.errors() == []
+    assert "rollout 0 " not in job.text  # it was stalled in the trainer, not between rollouts
+    assert job.seconds_after_act() < 30
+    assert left_behind(job.out) == []
 
 
 @pytest.mark.extended

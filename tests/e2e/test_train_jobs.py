@@ -108,6 +108,30 @@ def test_replay_trains_on_a_saved_rollout_without_engines(diffusers_rollouts, tm
     assert row["train/log_prob_mean_abs_diff"] <= 1e-5  # the rollout's policy, recomputed by the trainer
 
 
+def test_a_replay_that_fails_in_its_trainer_exits_1_with_the_line(
+    diffusers_rollouts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rollout whose latents do not fit the model loads, then fails in the trainer: one line, exit 1 (the
+    replay command once dropped its job's exit code and returned 0)."""
+    import torch
+
+    from miles.io.rollout_file import load_rollout, save_rollout
+
+    rollout_id, samples, extra = load_rollout(diffusers_rollouts.out / "rollout_0.pt")
+    for sample in samples:  # 5 latent channels for a 4-channel transformer
+        lat = sample.trajectory.latents
+        sample.trajectory.latents = torch.cat([lat, lat[:, :1]], dim=1)
+    broken = tmp_path / "broken_0.pt"
+    save_rollout(broken, rollout_id, samples, extra)
+    capsys.readouterr()
+    rc = main(["replay", str(broken), *diffusers_rollouts.flags, "--output-dir", str(tmp_path / "replay")])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("miles: error:")]
+    assert len(errors) == 1 and errors[0].startswith("miles: error: actor 0 on node"), err
+    assert "Traceback" not in err
+
+
 def test_train_sft_then_eval_of_its_checkpoint(
     tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
 ) -> None:
