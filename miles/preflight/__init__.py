@@ -37,6 +37,7 @@ CHECKS: tuple[Check, ...] = (
     Check("--load", checkpoint.check_load, jobs=TRAINING_JOBS),
     Check("--save", checkpoint.check_save_over_checkpoints, jobs=TRAINING_JOBS),
     Check("output folders", checkpoint.check_outputs),
+    Check("finished runs", checkpoint.check_finished_runs),
     Check("cluster", cluster.check_cluster),
     Check("GPU memory", memory.check_gpu_memory),
     Check("rollout files", replay.check_rollout_files, jobs=frozenset({"rl", "replay"})),

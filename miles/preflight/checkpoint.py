@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
+from miles.preflight.base import TRAINING_JOBS
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -77,6 +78,38 @@ def check_save_over_checkpoints(resolved: ResolvedJob) -> list[str]:
         f"--save {save}: already holds checkpoints (steps {', '.join(map(str, steps[-3:]))}) of another run; "
         f"resume it with --load {save}, or give a new --save folder (a fresh start there would overwrite them)"
     ]
+
+
+def check_finished_runs(resolved: ResolvedJob) -> list[str]:
+    """Folders of a finished run are not written over (`miles.runtime.finished`), through symlinks too: an
+    `--output-dir` holding one unless this job continues it (`--load` of its --save), and a `--save` that is
+    another run's output directory."""
+    from miles.runtime.finished import describe, finished_run, real
+
+    args = resolved.args
+    problems = []
+    out = real(args.output_dir)
+    shown = str(args.output_dir) if Path(str(args.output_dir)).expanduser() == out else f"{args.output_dir} (-> {out})"
+    record = finished_run(out)
+    if record is not None:
+        continues = bool(args.load) and record.get("save") and str(real(args.load)) == record.get("save")
+        if not continues:
+            resume = f", or continue it with --load {record['save']}" if record.get("save") else ""
+            problems.append(
+                f"--output-dir {shown}: holds {describe(record)}; its files stay as they are: give a new "
+                f"--output-dir{resume}"
+            )
+    if args.save is not None and resolved.spec.name in TRAINING_JOBS:
+        save = real(args.save)
+        other = finished_run(save) if save != out else None
+        if other is None and save != out and (save / "metrics.jsonl").is_file() and (save / "config.yaml").is_file():
+            other = {}
+        if other is not None:
+            problems.append(
+                f"--save {args.save}: is the output directory of {describe(other) if other else 'another run'}; "
+                "checkpoints go in a folder of their own (for example <output-dir>/ckpt)"
+            )
+    return problems
 
 
 def writable_problem(path: Path) -> str | None:

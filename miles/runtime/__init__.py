@@ -42,7 +42,12 @@ def dispatch(resolved: ResolvedJob) -> int | None:
     host_watch.reset()  # no lost host of an earlier job in this process
     with interrupts():
         try:
-            return module.run(resolved)
+            code = module.run(resolved)
+            if not code and args.output_dir:  # done: its folders are not written over (`finished`)
+                from miles.runtime.finished import mark_finished
+
+                mark_finished(args, resolved.spec.command)
+            return code
         except KeyboardInterrupt as exc:
             import miles.runtime.host_watch as host_watch
 

@@ -126,3 +126,52 @@ def test_save_over_another_runs_checkpoints_is_refused_unless_resumed(job: Job, 
         "give a new --save folder (a fresh start there would overwrite them)"
     ]
     assert check_save_over_checkpoints(job("rl", save=str(ckpt), load=str(ckpt))) == []  # resuming it
+
+
+def _finished(out: Path, save: Path | None = None) -> None:
+    """`out` as a run that ended with exit 0 left it (`miles.runtime.finished`)."""
+    from types import SimpleNamespace
+
+    from miles.runtime.finished import mark_finished
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("config.yaml", "lr: 1\n"), ("metrics.jsonl", '{"rollout_id": 0}\n')):
+        (out / name).write_text(text)
+    mark_finished(SimpleNamespace(output_dir=str(out), save=str(save) if save else None), "train rl")
+
+
+def test_an_output_dir_holding_a_finished_run_is_refused_through_a_symlink(job: Job, tmp_path: Path) -> None:
+    """A finished run's folder is not written over, however it is reached; continuing it with --load of its
+    --save is the one way to write there again."""
+    from miles.preflight.checkpoint import check_finished_runs
+
+    done, ckpt = tmp_path / "done", tmp_path / "ckpt"
+    _finished(done, ckpt)
+    link = tmp_path / "latest"
+    link.symlink_to(done)
+    (problem,) = check_finished_runs(job("rl", output_dir=str(link)))
+    assert problem.startswith(f"--output-dir {link} (-> {done}): holds a finished train rl run (")
+    assert problem.endswith(f"give a new --output-dir, or continue it with --load {ckpt}")
+    assert check_finished_runs(job("rl", output_dir=str(link), load=str(ckpt), save=str(ckpt))) == []
+    assert check_finished_runs(job("rl", output_dir=str(tmp_path / "new"))) == []
+    # through the whole preflight, before anything is written: the finished run's files stay byte for byte
+    before = {p.name: p.read_bytes() for p in done.iterdir()}
+    assert any("holds a finished train rl run" in p for p in find_problems(job("rl", output_dir=str(link))))
+    assert {p.name: p.read_bytes() for p in done.iterdir()} == before
+
+
+def test_save_into_another_runs_output_dir_is_refused(job: Job, tmp_path: Path) -> None:
+    from miles.preflight.checkpoint import check_finished_runs
+
+    done = tmp_path / "done"
+    _finished(done)
+    (problem,) = check_finished_runs(job("rl", output_dir=str(tmp_path / "new"), save=str(done)))
+    assert problem.startswith(f"--save {done}: is the output directory of a finished train rl run (")
+    unfinished = tmp_path / "crashed"  # a run that never finished: still another run's output directory
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text("lr: 1\n")
+    (unfinished / "metrics.jsonl").write_text("")
+    (problem,) = check_finished_runs(job("rl", output_dir=str(tmp_path / "new"), save=str(unfinished)))
+    assert problem.startswith(f"--save {unfinished}: is the output directory of another run;")
+    own = tmp_path / "mine"  # --save the job's own output dir: allowed
+    assert check_finished_runs(job("rl", output_dir=str(own), save=str(own))) == []
