@@ -21,6 +21,7 @@ from miles.config.export import to_json_dict, to_yaml_text
 from miles.config.resolve import TRAINING_JOBS
 from miles.core.errors import ConfigError
 from miles.utils.atomic import atomic_write_text
+from miles.utils.disk import writing
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -126,7 +127,8 @@ def prepare_output_dir(resolved: ResolvedJob) -> Path:
     (re-runnable via --custom-config-path; a training job with --save also writes it into that folder) and
     `config.json`. The lock lives until the process exits."""
     out = Path(resolved.args.output_dir)
-    lock_output_dir(out)
+    with writing(out / LOCK_FILE):  # a full disk: one DiskFull naming the folder's first file
+        lock_output_dir(out)
     config = to_yaml_text(resolved.args)
     atomic_write_text(out / "config.yaml", config)
     if resolved.args.save and resolved.spec.name in TRAINING_JOBS:
