@@ -114,6 +114,13 @@ def check_finished_runs(resolved: ResolvedJob) -> list[str]:
 
 def writable_problem(path: Path) -> str | None:
     """Why the folder `path` cannot be written (None: it is a writable folder, or can be made one)."""
+    try:
+        return _writable_problem(path)
+    except OSError as exc:  # the OS refuses the path itself (a name too long, a loop of links, ...)
+        return f"cannot be used ({exc.strerror or exc})"
+
+
+def _writable_problem(path: Path) -> str | None:
     if path.exists():
         if not path.is_dir():
             return "is a file, not a folder"

@@ -108,7 +108,34 @@ def iter_jsonl_objects(
             row = _parse_line(where, raw)
             if not isinstance(row, dict):
                 raise ConfigError(f"{where}: expected a JSON object, got {kind(row)}")
+            unencodable = unencodable_text(row)
+            if unencodable:
+                raise ConfigError(f"{where}: {unencodable}")
             yield where, lineno, row
+
+
+def unencodable_text(value: Any, path: str = "") -> str | None:
+    """What in `value` (strings in dicts and lists, at any depth) cannot be written as UTF-8: JSON's `\\udc80`
+    escapes make lone surrogates, which every later write (logs, metrics, a tokenizer) would fail on."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                at = f" of key {where!r}" if where else ""
+                code = f"\\u{ord(item[exc.start]):04x}"
+                return (
+                    f"text that cannot be written as UTF-8 (a lone surrogate, {code}, at character "
+                    f"{exc.start + 1}{at})"
+                )
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+            stack.extend((k, where) for k in item if isinstance(k, str))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return None
 
 
 def _parse_line(where: str, raw: str) -> Any:

@@ -175,3 +175,13 @@ def test_save_into_another_runs_output_dir_is_refused(job: Job, tmp_path: Path) 
     assert problem.startswith(f"--save {unfinished}: is the output directory of another run;")
     own = tmp_path / "mine"  # --save the job's own output dir: allowed
     assert check_finished_runs(job("rl", output_dir=str(own), save=str(own))) == []
+
+
+def test_a_name_the_os_refuses_is_a_problem_not_a_crash(job: Job, tmp_path: Path) -> None:
+    """An OS limit (a name longer than the filesystem's 255 bytes) is a usage problem with its flag, not a check
+    that could not run."""
+    long = tmp_path / ("a" * 300)
+    assert check_outputs(job("rl", output_dir=str(long))) == [
+        f"--output-dir {long}: cannot be used (File name too long); choose another --output-dir"
+    ]
+    assert any("File name too long" in p for p in find_problems(job("rl", output_dir=str(long))))

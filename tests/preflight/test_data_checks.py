@@ -83,6 +83,27 @@ def test_invalid_utf8(job: Job, tmp_path: Path) -> None:
     ]
 
 
+def test_a_lone_surrogate_is_refused_with_its_line_in_every_file_kind(job: Job, tmp_path: Path) -> None:
+    """JSON's \\udc80 escape decodes to a string no later write can encode (logs, metrics, the tokenizer): the
+    shared reader refuses it with file:line for prompt data, SFT rows and preference data alike."""
+    from miles.core.errors import ConfigError
+    from miles.rollout.prompt_file import iter_jsonl_objects
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input": "ok", "metadata": {"label": 1}}\n{"input": "bad \\udc80 text"}\n')
+    assert find_problems(job("rl", prompt_data=str(path))) == [
+        f"--prompt-data {path}:2: text that cannot be written as UTF-8 (a lone surrogate, \\udc80, at character 5 "
+        "of key 'input'); fix or remove that line"
+    ]
+    nested = tmp_path / "rows.jsonl"
+    nested.write_text('{"input": "ok", "metadata": {"tags": ["fine", "x\\ud800"]}}\n')
+    for what in ("SFT data", "preference data"):
+        with pytest.raises(
+            ConfigError, match=r"rows\.jsonl:1: .*\\ud800, at character 2 of key 'metadata\.tags\[1\]'"
+        ):
+            list(iter_jsonl_objects(nested, what))
+
+
 def test_huge_line_is_refused_in_a_short_message(job: Job, tmp_path: Path) -> None:
     path = tmp_path / "huge.jsonl"
     with path.open("w") as handle:
