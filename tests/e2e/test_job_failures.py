@@ -228,6 +228,20 @@ def test_sigterm_while_the_driver_waits_on_a_stalled_trainer_exits_143_with_the_
 
 
 @pytest.mark.extended
+def test_ctrl_c_while_the_rollout_is_stuck_in_a_reward_exits_130_with_the_line(
+    tiny_sd3_dir: Path, tmp_path: Path
+) -> None:
+    """The other long wait: the driver waits on the rollout manager while a reward hangs (past no timeout)."""
+    extra = ["--custom-rm-path", "job_hooks.slow_rm", "--hook-timeout", "0"]
+    job = Job(tmp_path, extra, tiny_sd3_dir).run(lambda j: j.proc.send_signal(signal.SIGINT), when="ready", delay=8.0)
+    assert job.rc == 130, job.text[-4000:]
+    assert "miles: interrupted (Ctrl-C); no checkpoint (no --save)" in job.text, job.text[-4000:]
+    assert "Traceback" not in job.text and job.errors() == []
+    assert job.seconds_after_act() < 30
+    assert left_behind(job.out) == []
+
+
+@pytest.mark.extended
 def test_sigterm_stops_the_job_with_143(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     job = Job(tmp_path, [], tiny_sd3_dir).run(lambda j: j.proc.terminate(), when="rollout 0 ", delay=0.5)
     assert job.rc == 143, job.text[-4000:]
