@@ -90,46 +90,20 @@ def bare_generate(args: object, prompts: list[str]) -> float:
 
 def bare_train(args: object, samples: list) -> float:
     """The job's optimizer steps on `samples` with a plain module; seconds."""
-    from miles.algorithms.policy_loss import policy_loss
-    from miles.rollout.sde import sde_step
+    from bare_grpo import bare_micro_step, settings_of
+
     from miles.training.model import family_of, load_transformer
-    from miles.training.pairs import expand_flow_grpo, micro_batches, stack_conditions, windows
+    from miles.training.pairs import expand_flow_grpo, micro_batches, windows
 
     model = load_transformer(args, family_of(args))
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(args.adam_beta1, args.adam_beta2))
+    settings = settings_of(args)
     start = time.perf_counter()
     for window in windows(samples, args):
         pairs = expand_flow_grpo(window)
         for batch in micro_batches(pairs, args):
-            ss = [p.sample for p in batch]
-            tr = [s.trajectory for s in ss]
-            x = torch.stack([t.latents[p.step] for t, p in zip(tr, batch, strict=True)])
-            x_next = torch.stack([t.latents[p.step + 1] for t, p in zip(tr, batch, strict=True)])
-            ts = torch.stack([t.timesteps[p.step] for t, p in zip(tr, batch, strict=True)])
-            sig = torch.stack([t.sigmas[p.step] for t, p in zip(tr, batch, strict=True)])
-            sig_next = torch.stack([t.sigmas[p.step + 1] for t, p in zip(tr, batch, strict=True)])
-            old = torch.stack([t.log_probs[p.slot] for t, p in zip(tr, batch, strict=True)])
-            pos, neg = stack_conditions(ss, False), stack_conditions(ss, True)
-            cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
-            out = model(hidden_states=torch.cat([x, x]), timestep=ts.repeat(2), return_dict=False, **cond)[0]
-            v_neg, v_pos = out.chunk(2)
-            v = v_neg + float(args.diffusion_guidance_scale) * (v_pos - v_neg)
-            res = sde_step(
-                v,
-                x,
-                sig,
-                sig_next,
-                sde_type=args.diffusion_sde_type,
-                noise_level=float(args.diffusion_noise_level),
-                sigma_max=tr[0].sigmas[1],
-                prev_sample=x_next,
-            )
-            adv = torch.tensor([s.advantage for s in ss])
-            loss, _ = policy_loss(
-                res.log_prob, old, adv, clip_range=args.diffusion_clip_range, adv_clip_max=args.diffusion_adv_clip_max
-            )
-            (loss * len(batch) / len(pairs)).backward()
+            bare_micro_step(model, batch, len(pairs), settings)
         torch.nn.utils.clip_grad_norm_(model.parameters(), float(args.clip_grad))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ import socket
 import sys
 
 import torch
+from bare_grpo import bare_micro_step, settings_of
 from bench_timing import interleaved_medians
 
 
@@ -24,14 +25,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     opts = parser.parse_args()
 
-    from miles.algorithms.policy_loss import policy_loss
     from miles.builtin.checkpoints import ensure_checkpoint
     from miles.config.resolve import resolve
     from miles.rollout.manager import RolloutManager
-    from miles.rollout.sde import sde_step
     from miles.training.model import family_of, load_transformer
     from miles.training.optim import clip_grad_norm
-    from miles.training.pairs import expand_flow_grpo, micro_batches, stack_conditions
+    from miles.training.pairs import expand_flow_grpo, micro_batches
     from miles.training.trainer import Trainer
 
     checkpoint = ensure_checkpoint("tiny-sd3")
@@ -58,29 +57,12 @@ def main() -> int:
         model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps
     )
     pairs = expand_flow_grpo(samples)
+    settings = settings_of(args)  # the job's own, as the trainer runs them
 
     def bare() -> None:
         batches = micro_batches(pairs, args)
         for batch in batches:
-            ss = [p.sample for p in batch]
-            tr = [s.trajectory for s in ss]
-            x = torch.stack([t.latents[p.step] for t, p in zip(tr, batch, strict=True)])
-            x_next = torch.stack([t.latents[p.step + 1] for t, p in zip(tr, batch, strict=True)])
-            ts = torch.stack([t.timesteps[p.step] for t, p in zip(tr, batch, strict=True)])
-            sig = torch.stack([t.sigmas[p.step] for t, p in zip(tr, batch, strict=True)])
-            sig_next = torch.stack([t.sigmas[p.step + 1] for t, p in zip(tr, batch, strict=True)])
-            old = torch.stack([t.log_probs[p.slot] for t, p in zip(tr, batch, strict=True)])
-            pos, neg = stack_conditions(ss, False), stack_conditions(ss, True)
-            cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
-            out = model(hidden_states=torch.cat([x, x]), timestep=ts.repeat(2), return_dict=False, **cond)[0]
-            v_neg, v_pos = out.chunk(2)
-            v = v_neg + 4.0 * (v_pos - v_neg)
-            res = sde_step(
-                v, x, sig, sig_next, sde_type="sde", noise_level=0.7, sigma_max=tr[0].sigmas[1], prev_sample=x_next
-            )
-            adv = torch.tensor([s.advantage for s in ss])
-            loss, _ = policy_loss(res.log_prob, old, adv, clip_range=1e-4, adv_clip_max=5.0)
-            (loss * len(batch) / len(pairs)).backward()
+            bare_micro_step(model, batch, len(pairs), settings)
         clip_grad_norm(list(model.parameters()), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
