@@ -21,7 +21,7 @@ from miles.config.export import to_json_dict, to_yaml_text
 from miles.config.resolve import TRAINING_JOBS
 from miles.core.errors import ConfigError
 from miles.utils.atomic import atomic_write_text
-from miles.utils.disk import writing
+from miles.utils.disk import DiskFull, is_disk_full, writing
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -61,6 +61,8 @@ def lock_output_dir(out: str | os.PathLike) -> OutputDirLock:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        if is_disk_full(exc):  # a runtime condition, not a mistake in the flag: exit 1
+            raise DiskFull(directory) from None
         raise ConfigError(f"--output-dir {directory}: cannot create it ({exc.strerror})") from None
     held = _HELD.get(_key(directory))
     if held is not None and held.fd >= 0:
@@ -69,6 +71,8 @@ def lock_output_dir(out: str | os.PathLike) -> OutputDirLock:
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFull(lock_path) from None
         raise ConfigError(f"--output-dir {directory}: cannot write {LOCK_FILE} ({exc.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -43,7 +43,7 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def _commands(tiny_sd3_dir: Path, rollout: Path) -> dict[str, list[str]]:
+def _commands(tiny_sd3_dir: Path, rollout: Path, rollout_flags: tuple[str, ...]) -> dict[str, list[str]]:
     ckpt = ["--hf-checkpoint", str(tiny_sd3_dir)]
     return {
         "train rl": ["train", "rl", "--recipe", "tiny-digits-grpo", *ckpt],
@@ -51,7 +51,7 @@ def _commands(tiny_sd3_dir: Path, rollout: Path) -> dict[str, list[str]]:
         "train dmd2": ["train", "dmd2", "--recipe", "tiny-digits-4step"],
         "eval": ["eval", "--recipe", "tiny-digits-grpo", *ckpt],
         "rollout-only": ["rollout-only", "--recipe", "tiny-digits-grpo", *ckpt],
-        "replay": ["replay", str(rollout), "--recipe", "tiny-digits-grpo", *ckpt],
+        "replay": ["replay", str(rollout), *rollout_flags],  # the flags the rollout was made with
     }
 
 
@@ -59,7 +59,7 @@ def test_every_job_command_exits_1_on_a_runtime_failure_and_2_on_a_usage_mistake
     tiny_sd3_dir: Path, diffusers_rollouts, full_disk: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rollout = diffusers_rollouts.out / "rollout_0.pt"
-    for name, argv in _commands(tiny_sd3_dir, rollout).items():
+    for name, argv in _commands(tiny_sd3_dir, rollout, diffusers_rollouts.flags).items():
         out = full_disk / name.replace(" ", "-")
         capsys.readouterr()
         assert main([*argv, "--output-dir", str(out)]) == 1, name
