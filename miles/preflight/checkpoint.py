@@ -81,10 +81,10 @@ def check_save_over_checkpoints(resolved: ResolvedJob) -> list[str]:
 
 
 def check_finished_runs(resolved: ResolvedJob) -> list[str]:
-    """Folders of a finished run are not written over (`miles.runtime.finished`), through symlinks too: an
+    """Folders of a finished run are not written over (`miles.io.finished`), through symlinks too: an
     `--output-dir` holding one unless this job continues it (`--load` of its --save), and a `--save` that is
     another run's output directory."""
-    from miles.runtime.finished import describe, finished_run, real
+    from miles.io.finished import describe, finished_run, real
 
     args = resolved.args
     problems = []

@@ -44,7 +44,7 @@ def dispatch(resolved: ResolvedJob) -> int | None:
         try:
             code = module.run(resolved)
             if not code and args.output_dir:  # done: its folders are not written over (`finished`)
-                from miles.runtime.finished import mark_finished
+                from miles.io.finished import mark_finished
 
                 mark_finished(args, resolved.spec.command)
             return code

@@ -101,6 +101,10 @@ def test_colocated_two_gpu_run_equals_the_plain_cpu_run(
     common = ["train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir), *SMALL]
     common += ["--global-batch-size", "4", "--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4"]
     common += ["--actor-num-gpus-per-node", "2", *small_digit_eval]
+    # each microgroup its own forward: the colocated engines (GPU mode: no thread hint) and the plain ones (their
+    # node's cores) then run the same kernels, so the numbers agree to the bit; batched forwards split their
+    # matmuls over however many threads each engine has
+    common += ["--rollout-engine-batch-size", "2"]
     with pytest.MonkeyPatch.context() as patch:  # the plain run first: its local Ray, then the cluster's
         patch.delenv("RAY_ADDRESS", raising=False)
         assert main([*common, "--num-gpus-per-node", "3", "--output-dir", str(tmp_path / "plain")]) == 0

@@ -129,10 +129,10 @@ def test_save_over_another_runs_checkpoints_is_refused_unless_resumed(job: Job, 
 
 
 def _finished(out: Path, save: Path | None = None) -> None:
-    """`out` as a run that ended with exit 0 left it (`miles.runtime.finished`)."""
+    """`out` as a run that ended with exit 0 left it (`miles.io.finished`)."""
     from types import SimpleNamespace
 
-    from miles.runtime.finished import mark_finished
+    from miles.io.finished import mark_finished
 
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("config.yaml", "lr: 1\n"), ("metrics.jsonl", '{"rollout_id": 0}\n')):

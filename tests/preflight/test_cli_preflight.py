@@ -56,7 +56,7 @@ def test_inspect_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     monkeypatch.setenv("COLUMNS", "200")
     code, out, _ = _run(capsys, "inspect-config", "--recipe", "tiny-digits-grpo", "--check")
     assert code == 0
-    assert re.search(r"^miles: preflight passed \(12 checks, \d+\.\d\d s\)$", out, re.MULTILINE)
+    assert re.search(r"^miles: preflight passed \(13 checks, \d+\.\d\d s\)$", out, re.MULTILINE)
     code, _, err = _run(capsys, "inspect-config", "--recipe", "tiny-digits-grpo", "--load", str(tmp_path), "--check")
     assert code == 2
     assert err == (

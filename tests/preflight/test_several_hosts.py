@@ -135,6 +135,6 @@ def test_inspect_config_check_with_ray_address(
     assert main(argv) == 0
     captured = capsys.readouterr()
     out, err = _ANSI.sub("", captured.out), _ANSI.sub("", captured.err)
-    assert re.search(r"^miles: preflight passed \(12 checks, 2 warnings above, \d+\.\d\d s\)$", out, re.MULTILINE)
+    assert re.search(r"^miles: preflight passed \(13 checks, 2 warnings above, \d+\.\d\d s\)$", out, re.MULTILINE)
     assert f"miles: warning: {_shared('--output-dir, --save')}\n" in err
     assert f"miles: warning: {LOOPBACK}\n" in err
