@@ -402,11 +402,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from typer import exceptions as typer_exc
     from typer._click import exceptions as click_exc
 
+    from miles.utils.text import bounded
+
     args = normalize_argv(sys.argv[1:] if argv is None else argv)
     try:
         result = app(args, prog_name="miles", standalone_mode=False)
     except ConfigError as exc:
-        print(f"miles: error: {exc}", file=sys.stderr)
+        print(f"miles: error: {bounded(str(exc))}", file=sys.stderr)
         return 2
     except RuntimeUnavailable as exc:
         print(f"miles: {exc}", file=sys.stderr)
@@ -418,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(message, file=sys.stderr)
         return 2
     except click_exc.UsageError as exc:
-        print(f"miles: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        print(f"miles: error: {bounded(_one_line(exc.format_message()))}", file=sys.stderr)
         return 2
     except typer_exc.Abort:
         print("miles: aborted", file=sys.stderr)
@@ -434,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = find_engine_failure(exc)
         if message is None:
             raise
-        print(f"miles: error: {message}", file=sys.stderr)
+        print(f"miles: error: {bounded(message)}", file=sys.stderr)
         return 1
     return int(result) if isinstance(result, int) else 0
 

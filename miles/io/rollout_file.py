@@ -28,6 +28,7 @@ import torch
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.utils.atomic import atomic_open
+from miles.utils.text import clip, clip_repr
 
 T = TypeVar("T")
 
@@ -127,10 +128,13 @@ def load_rollout(path: str | os.PathLike) -> tuple[int | str, list[Sample], dict
             raise ConfigError(
                 f"{path}: holds an object a rollout file may not contain{detail}; only {_ALLOWED} load safely"
             ) from None
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = clip((str(exc).strip().splitlines() or [""])[0], 200)
         raise ConfigError(f"{path}: not a rollout file (cannot read it: {type(exc).__name__}: {first})") from None
     if not isinstance(payload, dict) or "rollout_id" not in payload or not isinstance(payload.get("samples"), list):
         raise ConfigError(f"{path}: not a rollout file (expected a dict with 'rollout_id' and a 'samples' list)")
+    rollout_id = payload["rollout_id"]
+    if isinstance(rollout_id, bool) or not isinstance(rollout_id, (int, str)) or len(str(rollout_id)) > 200:
+        raise ConfigError(f"{path}: 'rollout_id' must be an int or a short name, got {clip_repr(rollout_id, 60)}")
     samples: list[Sample] = []
     for i, row in enumerate(payload["samples"]):
         if not isinstance(row, dict):
@@ -138,7 +142,7 @@ def load_rollout(path: str | os.PathLike) -> tuple[int | str, list[Sample], dict
         try:
             samples.append(Sample.from_dict(row))
         except (TypeError, ValueError, KeyError) as exc:
-            first = (str(exc).strip().splitlines() or [""])[0]
+            first = clip((str(exc).strip().splitlines() or [""])[0], 200)
             raise ConfigError(f"{path}: samples[{i}] is not a sample ({first})") from None
     extra = payload.get("extra")
     if extra is not None and not isinstance(extra, dict):

@@ -86,7 +86,7 @@ def rollout_file_problems(path: Path, args: Any) -> list[str]:
         return [str(exc)]
     if not samples:
         return [
-            f"{path}: rollout {rollout_id} holds no samples, so there is nothing to train on; "
+            f"{path}: rollout {clip_repr(rollout_id)} holds no samples, so there is nothing to train on; "
             "replay a rollout that has samples"
         ]
     problems = [f"{path}: {problem}" for problem in sample_problems(samples)]

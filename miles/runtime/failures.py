@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.utils.actors import REGISTRY
+from miles.utils.text import bounded
 
 # Classes whose message is a user's mistake, said as one line (exit 2).
 USER_ERRORS = (
@@ -271,5 +272,5 @@ def report_failure(exc: BaseException, args: Any) -> int:
             failure = Failure(1, f"the driver failed: {type(exc).__name__}: {_last_line(str(exc))}{where}")
     if failure.code == 2:
         raise ConfigError(failure.line) from None
-    print(f"miles: error: {failure.line}", file=sys.stderr, flush=True)
+    print(f"miles: error: {bounded(failure.line)}", file=sys.stderr, flush=True)
     return failure.code

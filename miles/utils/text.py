@@ -20,3 +20,18 @@ def clip_repr(value: object, limit: int = CLIP) -> str:
     if isinstance(value, (list, dict, tuple)) and len(value) > limit:
         return f"a {type(value).__name__} of {len(value):,} items"
     return clip(repr(value), limit)
+
+
+LINE = 600  # characters a line of an error message may take (a long path fits; a pasted value does not)
+LINES = 40  # lines an error message may take (a preflight lists one problem a line)
+
+
+def bounded(message: str, line_limit: int = LINE, max_lines: int = LINES) -> str:
+    """An error message as the terminal gets it: each line clipped to `line_limit` characters and at most
+    `max_lines` lines, so user data that reached a message (a value, a parser's excerpt, an exception's text)
+    is never echoed in bulk."""
+    lines = str(message).splitlines() or [""]
+    shown = [clip(line, line_limit) for line in lines[:max_lines]]
+    if len(lines) > max_lines:
+        shown.append(f"  ... and {len(lines) - max_lines:,} more lines")
+    return "\n".join(shown)

@@ -71,3 +71,30 @@ def test_every_job_command_exits_1_on_a_runtime_failure_and_2_on_a_usage_mistake
         assert main([*argv, "--output-dir", str(tmp_path / "x"), "--lr", "fast"]) == 2, name  # a usage mistake
         usage = capsys.readouterr().err
         assert usage.startswith("miles: error:") and "--lr" in usage and "Traceback" not in usage, name
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_run_reached_through_a_symlink_keeps_its_files_byte_for_byte(
+    tiny_sd3_dir: Path, diffusers_rollouts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    finished = diffusers_rollouts.out
+    before = _files(finished)
+    assert ".miles-finished" in before and "metrics.jsonl" in before  # the fixture's run ended with exit 0
+    link = tmp_path / "latest"
+    link.symlink_to(finished, target_is_directory=True)
+    capsys.readouterr()
+    # the same job again through the symlink, and a training job whose --save is that run's folder
+    again = ["rollout-only", *diffusers_rollouts.flags, "--output-dir", str(link)]
+    saving = ["train", "rl", "--recipe", "tiny-digits-grpo", "--hf-checkpoint", str(tiny_sd3_dir)]
+    saving += ["--output-dir", str(tmp_path / "new"), "--save", str(link)]
+    for argv, flag in ((again, "--output-dir"), (saving, "--save")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("miles: error:")]
+        assert len(errors) == 1 and "Traceback" not in err, err
+        assert f"{flag} {link}" in err and "a finished rollout-only run" in err, err
+    assert _files(finished) == before  # byte for byte: config, images, logs, metrics, marker
+    assert not (tmp_path / "new").exists()  # refused before anything was made

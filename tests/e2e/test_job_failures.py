@@ -4,6 +4,8 @@ Each failure class ends the job within 30 s of the failure with one `miles: erro
 (or the hook) and a log, no traceback on the terminal, and no Ray process of the job left behind: a trainer
 rank killed mid-step, a reward function that raises, a reward past --hook-timeout, Ctrl-C (exit 130, the last
 complete checkpoint named), SIGTERM (143) and a driver killed with SIGKILL (the reaper ends its cluster).
+Signals also arrive while the driver waits in Ray on something that does not return: a stalled trainer, a reward
+that hangs, a checkpoint save on a disk that stopped answering (a frozen filesystem: root, skipped otherwise).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -260,3 +262,76 @@ def test_a_custom_loss_that_raises_is_one_usage_line_naming_the_hook(tiny_sd3_di
         f"(traceback in {job.out / 'logs' / 'actor-0.log'})"
     )
     assert left_behind(job.out) == []
+
+
+class FrozenDisk:
+    """A small ext4 filesystem on a loop device that `freeze()` stops answering writes (`fsfreeze`): a writer
+    blocks in the kernel, as on a hung NFS server or a dead disk, until `thaw()`."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        self.frozen = False
+
+    def freeze(self) -> None:
+        subprocess.run(["fsfreeze", "-f", str(self.where)], check=True)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        if self.frozen:
+            subprocess.run(["fsfreeze", "-u", str(self.where)], check=False)
+            self.frozen = False
+
+
+@pytest.fixture
+def frozen_disk(tmp_path: Path) -> Iterator[FrozenDisk]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop filesystem and freezing it needs root")
+    image, where = tmp_path / "disk.img", tmp_path / "disk"
+    where.mkdir()
+    with open(image, "wb") as handle:
+        handle.truncate(64 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True)
+    mounted = made.returncode == 0 and subprocess.run(["mount", "-o", "loop", str(image), str(where)]).returncode == 0
+    if not mounted:
+        pytest.skip(f"cannot make a loop ext4 filesystem here: {made.stderr.decode().strip()}")
+    disk = FrozenDisk(where)
+    try:
+        yield disk
+    finally:
+        disk.thaw()
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.extended
+def test_sigterm_while_a_checkpoint_save_is_stalled_on_the_disk_exits_143_naming_the_last_complete_one(
+    tiny_sd3_dir: Path, tmp_path: Path, frozen_disk: FrozenDisk
+) -> None:
+    """Rollout 0's checkpoint completes; then the --save disk stops answering, rollout 1's save hangs in the kernel
+    and SIGTERM arrives: the driver does not wait on the hung save, names step 0 and exits 143; once the disk
+    answers again nothing of the job is left and step 0 is whole."""
+    save = frozen_disk.where / "ckpt"
+    latest = save / "latest_checkpointed_iteration.txt"
+
+    def freeze_after_the_first_checkpoint() -> None:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            if latest.is_file() and latest.read_text().strip() == "0":
+                frozen_disk.freeze()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=freeze_after_the_first_checkpoint, daemon=True)
+    watcher.start()
+    job = Job(tmp_path, ["--save", str(save), "--save-interval", "1"], tiny_sd3_dir)
+    try:
+        job.run(lambda j: j.proc.terminate(), when="rollout 1 ", delay=3.0)  # "rollout 1" is logged, then it saves
+        assert frozen_disk.frozen, "the first checkpoint never completed"
+        assert job.rc == 143, job.text[-4000:]
+        assert f"miles: interrupted (SIGTERM); last complete checkpoint: {save} step 0" in job.text, job.text[-4000:]
+        assert "Traceback" not in job.text and job.errors() == []
+        assert job.seconds_after_act() < 30
+    finally:
+        frozen_disk.thaw()
+    assert left_behind(job.out, wait_s=20.0) == []
+    assert latest.read_text() == "0\n"
+    assert (save / "iter_0000000" / "model.pt").is_file() and not (save / "iter_0000001").exists()

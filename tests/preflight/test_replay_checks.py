@@ -61,6 +61,22 @@ def test_a_zero_sample_rollout_is_refused(job: Job, tmp_path: Path, rollout_io) 
     ]
 
 
+def test_user_data_in_a_broken_rollout_is_quoted_clipped(job: Job, tmp_path: Path) -> None:
+    """A rollout file's own values reach the message clipped, never whole (a 100k-character key or id)."""
+    import torch
+
+    huge_key, huge_id = tmp_path / "huge_key.pt", tmp_path / "huge_id.pt"
+    torch.save({"rollout_id": 0, "samples": [{"k" * 100_000: 1}]}, huge_key)
+    torch.save({"rollout_id": "r" * 100_000, "samples": []}, huge_id)
+    (key_problem,) = find_problems(job("replay", replay=str(huge_key)))
+    assert key_problem.startswith(f"ROLLOUT.pt {huge_key}: samples[0] is not a sample (")
+    assert key_problem.endswith("(100,055 chars))") and len(key_problem) < 400
+    (id_problem,) = find_problems(job("replay", replay=str(huge_id)))
+    assert id_problem == (
+        f"ROLLOUT.pt {huge_id}: 'rollout_id' must be an int or a short name, got {'r' * 60!r}... (100,000 chars)"
+    )
+
+
 def test_a_rollout_of_another_family_is_refused(job: Job, tmp_path: Path, rollout_io) -> None:
     rollout_file, sample_cls = rollout_io
     made_with = {"family": "flux", "checkpoint": "tiny-flux", "denoiser": {"transformer": {"in_channels": 64}}}
