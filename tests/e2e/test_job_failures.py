@@ -244,6 +244,26 @@ def test_ctrl_c_while_the_rollout_is_stuck_in_a_reward_exits_130_with_the_line(
 
 
 @pytest.mark.extended
+def test_ctrl_c_while_the_engine_is_stuck_exits_130_with_the_line(tiny_sd3_dir: Path, tmp_path: Path) -> None:
+    """The third wait: the engine stops answering mid-rollout (its process stopped, as a wedged GPU looks from
+    outside); Ctrl-C still ends the job with the line, and the stopped engine does not outlive it."""
+
+    def stop_the_engine_then_interrupt(job: Job) -> None:
+        os.kill(job.actor_pid("engine"), signal.SIGSTOP)
+        time.sleep(3.0)
+        job.acted_at = time.monotonic()
+        job.proc.send_signal(signal.SIGINT)
+
+    job = Job(tmp_path, [], tiny_sd3_dir).run(stop_the_engine_then_interrupt, when="ready", delay=2.0)
+    assert job.rc == 130, job.text[-4000:]
+    assert "miles: interrupted (Ctrl-C); no checkpoint (no --save)" in job.text, job.text[-4000:]
+    assert "Traceback" not in job.text and job.errors() == []
+    assert "rollout 0 " not in job.text  # it was stuck in the first rollout
+    assert job.seconds_after_act() < 30
+    assert left_behind(job.out) == []
+
+
+@pytest.mark.extended
 def test_sigterm_stops_the_job_with_143(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     job = Job(tmp_path, [], tiny_sd3_dir).run(lambda j: j.proc.terminate(), when="rollout 0 ", delay=0.5)
     assert job.rc == 143, job.text[-4000:]
