@@ -84,14 +84,21 @@ def test_train_rl_frozen_weights_recompute_matches_the_rollout(
 # extended (~70 s): tests/training/test_trainer.py round-trips a checkpoint, and
 # tests/e2e/test_sft_resume.py resumes a job through the same layout
 @pytest.mark.extended
-def test_resume_reproduces_an_uninterrupted_run(tiny_sd3_dir: Path, tmp_path: Path) -> None:
-    common = ["--deterministic-mode", "--lr", "1e-3", "--num-rollout", "3", "--save-interval", "2"]
-    straight = _rl(tiny_sd3_dir, tmp_path / "straight", *common, "--save", str(tmp_path / "ck1"))
-    first = _rl(tiny_sd3_dir, tmp_path / "a", *common, "--save", str(tmp_path / "ck2"), "--num-rollout", "2")
+def test_resume_reproduces_an_uninterrupted_run(
+    tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
+) -> None:
+    common = ["--deterministic-mode", "--lr", "1e-3", "--num-rollout", "3", "--save-interval", "2", *small_digit_eval]
+
+    def trained(rows: list[dict]) -> list[dict]:  # the rows of trained rollouts (the eval after the last is its own)
+        return [row for row in rows if "train/loss" in row]
+
+    straight = trained(_rl(tiny_sd3_dir, tmp_path / "straight", *common, "--save", str(tmp_path / "ck1")))
+    first = trained(_rl(tiny_sd3_dir, tmp_path / "a", *common, "--save", str(tmp_path / "ck2"), "--num-rollout", "2"))
     assert [r["rollout_id"] for r in first] == [0, 1]
     resumed = _rl(
         tiny_sd3_dir, tmp_path / "b", *common, "--save", str(tmp_path / "ck2"), "--load", str(tmp_path / "ck2")
     )
+    resumed = trained(resumed)
     assert [r["rollout_id"] for r in resumed] == [2]
     for a, b in zip(straight[2:], resumed, strict=True):
         for key in ("rollout/reward/raw_mean", "train/loss", "train/grad_norm", "train/log_prob_mean_abs_diff"):
