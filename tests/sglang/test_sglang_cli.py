@@ -39,7 +39,13 @@ SMALL = [
 
 
 def _files(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "engines" not in p.parts}
+    """The run's files, without what only one backend has: its engines' logs and the sglang rollout's parser
+    actors' logs (`--rollout-parser-num-workers`)."""
+    return {
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and "engines" not in p.parts and not p.name.startswith("parser-")
+    }
 
 
 # extended: ~55 s; tests/sglang/test_sglang_engines.py checks the sample contract against the diffusers engine
