@@ -2,7 +2,7 @@
 uses (`miles.rollout.prompt_file`), so a problem is the line the runtime would have stopped at, found first.
 
 A prompt line must parse, carry a non-empty string at `--input-key` and an object (or nothing) at
-`--metadata-key`, and hold what its reward needs (`miles.rollout.rm_hub.dispatch.check_reward_inputs`: a digit
+`--metadata-key`, and hold what its reward needs (`miles.rewards.dispatch.check_reward_inputs`: a digit
 label, a quoted OCR target). An SFT row names its caption (a non-empty string) and an image (or video) file that
 exists; an image must decode (PIL's `verify`, a read of the file without decoding every pixel). Under a method whose
 `train sft` rows are preferences (offline DPO, the method table's `sft_rows`), a row names its caption and two
@@ -44,7 +44,7 @@ def reward_check(args: Any) -> LineCheck | None:
     if args.custom_rm_path:
         return None
     from miles.rewards import REWARD_TYPES, reward_names
-    from miles.rollout.rm_hub.dispatch import check_reward_inputs
+    from miles.rewards.dispatch import check_reward_inputs
 
     defaults = reward_names(args)
 

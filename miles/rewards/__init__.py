@@ -4,8 +4,12 @@ Torch-free (the config layer reads it before torch is loaded).
 Every reader of a reward type goes through it: the flag's choices (`miles.config.catalog.reward`), the rule on the
 flags each type needs (`miles.config.rules.data`), the preflight's model paths and prompt-line checks
 (`miles.preflight`), the placement of GPU reward workers (`miles.placement.plan`), which types score on Ray actor
-pools (`miles.rollout.rm_hub.pool`) and the scorer each type builds (`miles.rollout.rm_hub.dispatch`, loaded from
-`build`). A new reward is one entry here plus its module under `miles/rollout/rm_hub/`, its flags and its tests.
+pools (`miles.rewards.pool`) and the scorer each type builds (`miles.rewards.dispatch`, loaded from `build`). A new
+reward is one entry here plus its module under `miles/rewards/scorers/`, its flags and its tests.
+
+This module, the face of the package `miles.rewards`, sits on the ground floor (it imports nothing of miles); the
+rest of the package (`dispatch.py`, `pool.py`, `errors.py`, `scorers/`, `service/`) sits on a floor of its own, above
+the config and below the rollout (tests/test_import_layers.py).
 
 A job scores one reward type or several: `--rm-type digit,jpeg_compressibility` (weight 1 each) or
 `--reward-weights digit=1,jpeg_compressibility=0.2` (or a YAML mapping); `reward_components(args)` reads them.
@@ -47,7 +51,7 @@ class RewardType:
     gold: bool = True
 
 
-_RM = "miles.rollout.rm_hub"
+_RM = "miles.rewards"
 
 REWARD_TYPES: dict[str, RewardType] = {
     t.name: t
@@ -89,7 +93,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "clip_score",
             "CLIP text-image cosine x 100/30 (flow_grpo's clipscore), from a local CLIP folder",
-            f"{_RM}.preference_scorers:clip_score_scorer",
+            f"{_RM}.scorers.preference_scorers:clip_score_scorer",
             required=("clip_score_model_path",),
             model_paths=(("clip_score_model_path", "clip_model"), ("clip_score_processor_path", "clip_processor")),
             pooled=True,
@@ -97,7 +101,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "aesthetic",
             "the LAION aesthetic predictor v2 (an MLP on CLIP ViT-L/14 image embeddings), 1-10",
-            f"{_RM}.preference_scorers:aesthetic_scorer",
+            f"{_RM}.scorers.preference_scorers:aesthetic_scorer",
             required=("aesthetic_model_path", "aesthetic_clip_path"),
             model_paths=(("aesthetic_model_path", "file"), ("aesthetic_clip_path", "clip_model")),
             pooled=True,
@@ -105,7 +109,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "hpsv2",
             "HPSv2 / v2.1 (an OpenCLIP ViT-H-14 checkpoint, loaded without open_clip): image-text cosine",
-            f"{_RM}.preference_scorers:hpsv2_scorer",
+            f"{_RM}.scorers.preference_scorers:hpsv2_scorer",
             required=("hps_model_path", "hps_tokenizer_path"),
             model_paths=(("hps_model_path", "file"), ("hps_tokenizer_path", "tokenizer")),
             pooled=True,
@@ -113,7 +117,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "image_reward",
             "ImageReward v1.0 (BLIP + MLP head), standardised as the original",
-            f"{_RM}.preference_scorers:image_reward_scorer",
+            f"{_RM}.scorers.preference_scorers:image_reward_scorer",
             required=("image_reward_model_path", "image_reward_tokenizer_path"),
             model_paths=(("image_reward_model_path", "file"), ("image_reward_tokenizer_path", "tokenizer")),
             pooled=True,
@@ -121,7 +125,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "vlm_judge",
             "a VLM behind an OpenAI chat API (your sglang or vLLM server): a 1-N rating parsed from its answer, / N",
-            f"{_RM}.preference_scorers:vlm_judge_scorer",
+            f"{_RM}.scorers.preference_scorers:vlm_judge_scorer",
             required=("vlm_judge_url",),
         ),
         RewardType(

@@ -79,8 +79,8 @@ class Dmd2RolloutManager(RolloutManager):
 
     # ---- evaluation ------------------------------------------------------------------------
     def _score(self, name: str, samples: list[Sample]) -> dict[str, float]:
+        from miles.rewards.dispatch import score_samples
         from miles.rollout.evaluation import eval_metrics
-        from miles.rollout.rm_hub.dispatch import score_samples
 
         asyncio.run(score_samples(self.args, samples))
         return eval_metrics(self.args, name, samples)

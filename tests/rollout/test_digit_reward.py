@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from miles.data.digits import digits_to_rgb_uint8, upsample_digits
-from miles.rollout.rm_hub.digit import digit_reward, images_to_digits, load_digit_classifier
-from miles.rollout.rm_hub.digit_metrics import digit_accuracy, digit_fd, digit_features, frechet_distance
+from miles.rewards.scorers.digit import digit_reward, images_to_digits, load_digit_classifier
+from miles.rewards.scorers.digit_metrics import digit_accuracy, digit_fd, digit_features, frechet_distance
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def real(digits_split):
 
 
 def test_classifier_is_stored_and_accurate(tiny_sd3_dir, digit_classifier, real):
-    from miles.rollout.rm_hub.digit import read_classifier_metadata
+    from miles.rewards.scorers.digit import read_classifier_metadata
 
     assert (tiny_sd3_dir / "digit_classifier" / "classifier.json").is_file()
     meta = read_classifier_metadata(tiny_sd3_dir)

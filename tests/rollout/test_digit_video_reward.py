@@ -15,8 +15,9 @@ from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.data.digits_video import DIRECTIONS, NUM_FRAMES, render_video
-from miles.rollout.rm_hub.digit import digit_probabilities, digit_reward, sample_digits
-from miles.rollout.rm_hub.digit_metrics import (
+from miles.rewards.dispatch import RewardSettings, batched_async_rm
+from miles.rewards.scorers.digit import digit_probabilities, digit_reward, sample_digits
+from miles.rewards.scorers.digit_metrics import (
     digit_accuracy,
     digit_eval_metrics,
     digit_fd,
@@ -24,7 +25,6 @@ from miles.rollout.rm_hub.digit_metrics import (
     direction_accuracy,
     video_directions,
 )
-from miles.rollout.rm_hub.dispatch import RewardSettings, batched_async_rm
 
 NUM_VIDEOS = 80
 
@@ -105,7 +105,7 @@ def test_per_frame_accuracy_fd_and_direction(video_classifier, rendered):
     noise = [torch.rand(3, NUM_FRAMES, 64, 64, generator=torch.Generator().manual_seed(i)) for i in range(12)]
     fd_real, fd_noise = digit_fd(videos, video_classifier), digit_fd(noise, video_classifier)
     assert fd_real < 0.05 * fd_noise  # 5.9 vs ~300: against the frames of the real test split's moving digits
-    from miles.rollout.rm_hub.digit_metrics import reference_features
+    from miles.rewards.scorers.digit_metrics import reference_features
 
     reference = reference_features(video_classifier, video=True)
     assert reference.shape == (360 * NUM_FRAMES, 10)
@@ -164,7 +164,7 @@ def test_dispatch_scores_video_samples_with_the_digit_reward(tmp_path, video_cla
 
 
 def test_pickscore_on_a_video_sample_averages_evenly_spaced_frames(tiny_clip):
-    from miles.rollout.rm_hub.pickscore import pickscore_reward
+    from miles.rewards.scorers.pickscore import pickscore_reward
 
     model_dir, processor_dir = tiny_clip
     gen = torch.Generator().manual_seed(0)

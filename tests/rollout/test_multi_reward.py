@@ -14,10 +14,10 @@ from miles.config.resolve import resolve
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.rewards import is_multi_reward, reward_components
+from miles.rewards.dispatch import batched_async_rm, score_samples
+from miles.rewards.scorers.jpeg import jpeg_compressibility, jpeg_incompressibility
 from miles.rollout.advantages import grpo_advantages, post_process_rewards
 from miles.rollout.reward_metrics import component_metrics
-from miles.rollout.rm_hub.dispatch import batched_async_rm, score_samples
-from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility
 
 JOB = {
     "hf_checkpoint": "tiny-sd3",

@@ -11,8 +11,8 @@ import torch
 
 from miles.config.resolve import resolve
 from miles.core.sample import Sample
-from miles.rollout.rm_hub.dispatch import batched_async_rm
-from miles.rollout.rm_hub.pickscore import PickScoreScorer
+from miles.rewards.dispatch import batched_async_rm
+from miles.rewards.scorers.pickscore import PickScoreScorer
 
 JOB = {
     "hf_checkpoint": "tiny-sd3",

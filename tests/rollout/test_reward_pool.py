@@ -15,9 +15,9 @@ import torch
 from miles.config.args import Args
 from miles.config.resolution import schema_args
 from miles.core.sample import Sample
-from miles.rollout.rm_hub.dispatch import RewardError, batched_async_rm, get_reward_pools
-from miles.rollout.rm_hub.jpeg import jpeg_compressibility
-from miles.rollout.rm_hub.ocr import ocr_reward
+from miles.rewards.dispatch import RewardError, batched_async_rm, get_reward_pools
+from miles.rewards.scorers.jpeg import jpeg_compressibility
+from miles.rewards.scorers.ocr import ocr_reward
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
@@ -35,7 +35,7 @@ def make_args(**overrides) -> Args:
 
 
 def test_ocr_pool_round_trip_dispatch_and_worker_error():
-    from miles.rollout.rm_hub.pool import make_reward_pools, shutdown_reward_pools
+    from miles.rewards.pool import make_reward_pools, shutdown_reward_pools
 
     args = make_args(rm_type="ocr")
     pools = make_reward_pools(args)  # --ocr-num-workers 2, registered for the dispatch
@@ -79,7 +79,7 @@ def _wait_until_dead(ray_module, actor, timeout_s: float = 30.0) -> None:
 
 def test_pool_cpu_only_placement_and_dead_worker(local_ray):
     from miles.core.errors import ConfigError
-    from miles.rollout.rm_hub.pool import RewardPool, reward_types_in_use
+    from miles.rewards.pool import RewardPool, reward_types_in_use
 
     assert reward_types_in_use(make_args(rm_type="ocr"), [{"rm_type": "pickscore"}, {}]) == ["ocr", "pickscore"]
     assert reward_types_in_use(make_args(rm_type="ocr", custom_rm_path="m.f")) == []

@@ -19,10 +19,10 @@ from miles.config.args import Args
 from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
-from miles.rollout.rm_hub import dispatch
-from miles.rollout.rm_hub.dispatch import RewardError, batched_async_rm, score_groups, score_samples
-from miles.rollout.rm_hub.jpeg import image_to_uint8, jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
-from miles.rollout.rm_hub.ocr import edit_distance, extract_target, load_ocr_engine, ocr_reward, score_text
+from miles.rewards import dispatch
+from miles.rewards.dispatch import RewardError, batched_async_rm, score_groups, score_samples
+from miles.rewards.scorers.jpeg import image_to_uint8, jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
+from miles.rewards.scorers.ocr import edit_distance, extract_target, load_ocr_engine, ocr_reward, score_text
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def _hand_pickscore(model_dir: str, processor_dir: str, images, prompts) -> list
 
 
 def test_pickscore_tiny_clip_matches_hand_computation(tiny_clip):
-    from miles.rollout.rm_hub.pickscore import pickscore_reward
+    from miles.rewards.scorers.pickscore import pickscore_reward
 
     model_dir, processor_dir = tiny_clip
     images = [noise_image(i, size=48) for i in range(5)]
@@ -183,7 +183,7 @@ def test_pickscore_tiny_clip_matches_hand_computation(tiny_clip):
 
 
 def test_pickscore_video_averages_sampled_frames(tiny_clip):
-    from miles.rollout.rm_hub.pickscore import frame_indices, pickscore_reward
+    from miles.rewards.scorers.pickscore import frame_indices, pickscore_reward
 
     model_dir, processor_dir = tiny_clip
     frames = torch.stack([noise_image(i, size=32) for i in range(4)])  # (F, 3, H, W)
@@ -195,8 +195,8 @@ def test_pickscore_video_averages_sampled_frames(tiny_clip):
 
 # ---- dispatch ----------------------------------------------------------------------------------
 def test_dispatch_mixed_types_batches_each_type_once(tiny_clip, digit_ckpt, digit_images, monkeypatch):
-    from miles.rollout.rm_hub.digit import digit_reward, load_digit_classifier
-    from miles.rollout.rm_hub.pickscore import pickscore_reward
+    from miles.rewards.scorers.digit import digit_reward, load_digit_classifier
+    from miles.rewards.scorers.pickscore import pickscore_reward
 
     model_dir, processor_dir = tiny_clip
     args = make_args(

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.clip_score import (
+from miles.rewards.scorers.clip_score import (
     ChunkedFrameScorer,
     clip_pixels,
     module_from_state_dict,

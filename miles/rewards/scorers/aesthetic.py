@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.clip_score import ChunkedFrameScorer, frozen_clip, projected, resolve_device
+from miles.rewards.scorers.clip_score import ChunkedFrameScorer, frozen_clip, projected, resolve_device
 
 MLP_HIDDEN = (1024, 128, 64, 16)
 MLP_DROPOUT = (0.2, 0.2, 0.1)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from miles.rollout.rm_hub.jpeg import image_to_uint8
+from miles.rewards.scorers.jpeg import image_to_uint8
 from miles.utils.text import clip_repr
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.clip_score import sample_frames
+from miles.rewards.scorers.clip_score import sample_frames
 from miles.utils.text import clip
 
 DEFAULT_PROMPT_TEMPLATE = (

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.clip_score import (
+from miles.rewards.scorers.clip_score import (
     ChunkedFrameScorer,
     clip_cosines,
     frame_indices,

@@ -5,7 +5,7 @@ log-probabilities (10 values, floored at 1e-6), and the distance between two fea
 ||mu_a - mu_b||^2 + Tr(S_a + S_b - 2 (S_a S_b)^(1/2)).
 
 Videos (`[3, F, H, W]` items of a list, or a 5-D batch) are read frame by frame as the digit reward reads
-them (`miles.rollout.rm_hub.digit.sample_digits`): accuracy is per frame (the mean over every frame of every
+them (`miles.rewards.scorers.digit.sample_digits`): accuracy is per frame (the mean over every frame of every
 sample), `fd` is over the frames' features against those of the real digits' moving videos, and
 `direction_accuracy` is the share of videos whose ink centroid travels the prompted way
 (`miles.data.digits_video.track_direction`).
@@ -32,7 +32,7 @@ def features_from_digits(x8: np.ndarray, classifier: Any = None) -> np.ndarray:
 def digit_features(images: Any, classifier: Any = None, value_range: str = "auto") -> np.ndarray:
     """(M, 10) classifier features of images (any format `digit_reward` accepts; a video gives one row per
     frame)."""
-    from miles.rollout.rm_hub.digit import sample_digits
+    from miles.rewards.scorers.digit import sample_digits
 
     return features_from_digits(sample_digits(images, value_range)[0], classifier)
 
@@ -86,7 +86,7 @@ def digit_accuracy(
     images: Any, labels: Sequence[int] | np.ndarray, classifier: Any = None, value_range: str = "auto"
 ) -> float:
     """Fraction of images the classifier reads as their label (videos: of all their frames)."""
-    from miles.rollout.rm_hub.digit import sample_digits
+    from miles.rewards.scorers.digit import sample_digits
 
     x8, owner = sample_digits(images, value_range)
     pred = _classifier(classifier).predict(digits_to_features(x8))
@@ -131,7 +131,7 @@ def digit_eval_metrics(
     `fd` (when more than 10 digits/frames are read; videos against real moving digits' frames) and, for
     videos whose metadata holds `direction`, `direction_acc`.
     `images`: one `[3, H, W]` image or `[3, F, H, W]` video per sample."""
-    from miles.rollout.rm_hub.digit import sample_digits
+    from miles.rewards.scorers.digit import sample_digits
 
     images = list(images)
     if len(images) != len(metadata):

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from miles.core.errors import ConfigError
-from miles.rollout.rm_hub.errors import RewardError, describe_sample, describe_samples
-from miles.rollout.rm_hub.service.protocol import (
+from miles.rewards.errors import RewardError, describe_sample, describe_samples
+from miles.rewards.service.protocol import (
     JSON,
     MSGPACK,
     PROTOCOL_VERSION,

@@ -1,4 +1,4 @@
-"""`--rm-type remote_rm`: the job's client of the reward service at `--rm-url` (`service/client.py`), built from
+"""`--rm-type remote_rm`: the job's client of the reward service at `--rm-url` (`../service/client.py`), built from
 the flags once per process.
 
     --rm-url http://host:8000          the service (`miles reward serve` there)
@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from miles.core.errors import ConfigError
-from miles.rollout.rm_hub.service.client import RemoteRewardClient
+from miles.rewards.service.client import RemoteRewardClient
 
 _CLIENTS: dict[tuple[Any, ...], RemoteRewardClient] = {}
 _LOCK = threading.Lock()

@@ -1,5 +1,5 @@
 """A deliberately hackable proxy reward, for the reward-hacking guard's demonstration (`--custom-rm-path
-miles.rollout.rm_hub.ink_bonus.digit_plus_ink`, recipe `tiny-digits-grpo-hackable`; docs/results.md).
+miles.rewards.scorers.ink_bonus.digit_plus_ink`, recipe `tiny-digits-grpo-hackable`; docs/results.md).
 
     proxy = p(label | image) + INK_BONUS * ink(image)
 
@@ -25,7 +25,7 @@ def ink(image: Any) -> float:
 def digit_plus_ink(args: Any, samples: Sequence[Any], **kwargs: Any) -> list[float]:
     """The proxy of each sample: its digit reward plus `INK_BONUS` times its ink."""
     from miles.core.inputs import input_path
-    from miles.rollout.rm_hub.digit import CLASSIFIER_DIRNAME, digit_reward, load_digit_classifier
+    from miles.rewards.scorers.digit import CLASSIFIER_DIRNAME, digit_reward, load_digit_classifier
 
     own = input_path(args, args.hf_checkpoint) / CLASSIFIER_DIRNAME
     classifier = load_digit_classifier(own if own.is_dir() else None)

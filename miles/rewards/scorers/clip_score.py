@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.jpeg import image_to_uint8
+from miles.rewards.scorers.jpeg import image_to_uint8
 
 CLIP_SCORE_WEIGHT = 100.0  # torchmetrics' CLIPScore weight (Hessel et al.'s w is 2.5)
 CLIP_SCORE_DIVISOR = 30.0  # flow_grpo's clip_scorer.py: logits_per_image.diagonal() / 30

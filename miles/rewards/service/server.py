@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from miles.core.errors import ConfigError
-from miles.rollout.rm_hub.dispatch import (
+from miles.rewards.dispatch import (
     RewardError,
     RewardSettings,
     Scorer,
@@ -40,7 +40,7 @@ from miles.rollout.rm_hub.dispatch import (
     describe_sample,
     score_items,
 )
-from miles.rollout.rm_hub.service.protocol import (
+from miles.rewards.service.protocol import (
     JSON,
     MSGPACK,
     MSGPACK_TYPES,

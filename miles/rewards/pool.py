@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
 from miles.rewards import REWARD_TYPES, reward_names
-from miles.rollout.rm_hub.dispatch import (
+from miles.rewards.dispatch import (
     RewardError,
     RewardSettings,
     build_scorer,

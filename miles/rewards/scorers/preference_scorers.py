@@ -8,13 +8,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from miles.rollout.rm_hub.dispatch import RewardSettings, Scorer
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 
 def _wrap(model: Any) -> Scorer:
     """The model's `score(images, prompts)` as a dispatch scorer; a video sample `[3, F, H, W]` goes in frames
     first, the layout the model scorers read frames from."""
-    from miles.rollout.rm_hub.dispatch import frames_first
+    from miles.rewards.dispatch import frames_first
 
     def score(images: Sequence[Any], prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[float]:
         return model.score([frames_first(im) for im in images], list(prompts))
@@ -24,26 +24,26 @@ def _wrap(model: Any) -> Scorer:
 
 
 def clip_score_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub.clip_score import load_clip_score
+    from miles.rewards.scorers.clip_score import load_clip_score
 
     model = settings.get("clip_score_model_path")
     return _wrap(load_clip_score(model, settings.get("clip_score_processor_path"), settings.get("clip_score_scale")))
 
 
 def aesthetic_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub.aesthetic import load_aesthetic
+    from miles.rewards.scorers.aesthetic import load_aesthetic
 
     return _wrap(load_aesthetic(settings.get("aesthetic_model_path"), settings.get("aesthetic_clip_path")))
 
 
 def hpsv2_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub.hps import load_hps
+    from miles.rewards.scorers.hps import load_hps
 
     return _wrap(load_hps(settings.get("hps_model_path"), settings.get("hps_tokenizer_path")))
 
 
 def image_reward_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub.image_reward import load_image_reward
+    from miles.rewards.scorers.image_reward import load_image_reward
 
     return _wrap(
         load_image_reward(settings.get("image_reward_model_path"), settings.get("image_reward_tokenizer_path"))
@@ -51,7 +51,7 @@ def image_reward_scorer(settings: RewardSettings) -> Scorer:
 
 
 def vlm_judge_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub import vlm_judge
+    from miles.rewards.scorers import vlm_judge
 
     judge = vlm_judge.load_vlm_judge(
         settings.get("vlm_judge_url"),

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
 from miles.rewards import REWARD_TYPES, is_multi_reward, reward_components
-from miles.rollout.rm_hub.errors import RewardError, describe_sample, describe_samples
+from miles.rewards.errors import RewardError, describe_sample, describe_samples
 from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:
@@ -138,19 +138,19 @@ def _checkpoint_dir(args: Any) -> str | None:
 
 
 def jpeg_compressibility_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub.jpeg import jpeg_compressibility
+    from miles.rewards.scorers.jpeg import jpeg_compressibility
 
     return lambda images, prompts, metadata: jpeg_compressibility(images)
 
 
 def jpeg_incompressibility_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub.jpeg import jpeg_incompressibility
+    from miles.rewards.scorers.jpeg import jpeg_incompressibility
 
     return lambda images, prompts, metadata: jpeg_incompressibility(images)
 
 
 def ocr_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub.ocr import load_ocr_engine
+    from miles.rewards.scorers.ocr import load_ocr_engine
 
     engine = load_ocr_engine()
     return lambda images, prompts, metadata: engine.score(images, prompts)
@@ -166,7 +166,7 @@ def check_settings(settings: RewardSettings, rm_type: str) -> None:
 
 
 def pickscore_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rollout.rm_hub.pickscore import load_pickscore
+    from miles.rewards.scorers.pickscore import load_pickscore
 
     scorer = load_pickscore(
         settings.pickscore_model_path,
@@ -222,7 +222,7 @@ def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) 
     if needs == "label":
         _digit_label(metadata)
     elif needs == "quoted":
-        from miles.rollout.rm_hub.ocr import extract_target
+        from miles.rewards.scorers.ocr import extract_target
 
         extract_target(prompt)
 
@@ -244,9 +244,9 @@ def on_8_bits(image: Any) -> Any:
 
 
 def digit_scorer(settings: RewardSettings) -> Scorer:
-    """The digit reward (`rm_hub.digit.digit_reward`): an image's probability of its label; a video's, the mean
+    """The digit reward (`scorers.digit.digit_reward`): an image's probability of its label; a video's, the mean
     over its frames (`[3, F, H, W]` samples are read per frame)."""
-    from miles.rollout.rm_hub.digit import digit_reward, load_digit_classifier
+    from miles.rewards.scorers.digit import digit_reward, load_digit_classifier
 
     path = None if settings.hf_checkpoint is None else Path(settings.hf_checkpoint)
     classifier = load_digit_classifier(path)
@@ -422,7 +422,7 @@ async def _score_type(
     metadata = [dict(s.metadata or {}) for s in samples]
     names = [describe_sample(s.index, s.prompt) for s in samples]
     if rm_type == REMOTE_RM:
-        from miles.rollout.rm_hub.remote import client_for
+        from miles.rewards.scorers.remote import client_for
 
         client = await client_for(args)
         values = await client.score(images, prompts, metadata, names)

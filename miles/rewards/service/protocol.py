@@ -19,7 +19,7 @@ Answer: the same format as the request (msgpack for msgpack, else JSON):
                                                its input (re-sending the same pixels fails the same way)
 
 Pixels: every image travels as an 8-bit RGB PNG, lossless for uint8. A float image in [0, 1] is quantised
-to uint8 on the client exactly as the in-process rewards quantise it (`rm_hub.jpeg.image_to_uint8`: x * 255,
+to uint8 on the client exactly as the in-process rewards quantise it (`scorers.jpeg.image_to_uint8`: x * 255,
 rounded, clipped; a 1-channel image repeated to RGB), so in-process and remote scoring read the same pixels.
 The server hands the scorer what a `RewardPool` worker gets: numpy arrays, channels first, the layout of a
 `Sample`'s image: `[3, H, W]` (a video `[3, F, H, W]`, its frames `[3, H, W]` on the wire in order), float32
@@ -229,7 +229,7 @@ def encode_image(image: Any) -> tuple[bytes | list[bytes], int, str]:
 
     Images: what `image_to_uint8` reads ([3, H, W] / [H, W, 3] / 1-channel, float in [0, 1] or uint8, PIL).
     Videos: 4-D `[C, F, H, W]` with C 1 or 3, the layout of a video sample."""
-    from miles.rollout.rm_hub.jpeg import image_to_uint8
+    from miles.rewards.scorers.jpeg import image_to_uint8
 
     dtype = "uint8" if _is_uint8(image) else "float32"
     shape = tuple(getattr(image, "shape", ()))
