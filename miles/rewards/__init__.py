@@ -51,7 +51,7 @@ class RewardType:
     gold: bool = True
 
 
-_RM = "miles.rewards"
+_SCORERS = "miles.rewards.scorers"
 
 REWARD_TYPES: dict[str, RewardType] = {
     t.name: t
@@ -59,13 +59,13 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "digit",
             "the embedded digit classifier's probability of metadata.label",
-            f"{_RM}.dispatch:digit_scorer",
+            f"{_SCORERS}.digit:build",
             needs="label",
         ),
         RewardType(
             "ocr",
             "RapidOCR (PP-OCRv4, ONNX, bundled): 1 - normalised edit distance to the prompt's quoted text",
-            f"{_RM}.dispatch:ocr_scorer",
+            f"{_SCORERS}.ocr:build",
             pooled=True,
             workers_flag="ocr_num_workers",
             needs="quoted",
@@ -73,7 +73,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "pickscore",
             "PickScore (CLIP) text-image preference, /26",
-            f"{_RM}.dispatch:pickscore_scorer",
+            f"{_SCORERS}.pickscore:build",
             required=("pickscore_model_path", "pickscore_processor_path"),
             model_paths=(("pickscore_model_path", "clip_model"), ("pickscore_processor_path", "clip_processor")),
             pooled=True,
@@ -83,17 +83,17 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "jpeg_compressibility",
             "minus the JPEG size in kB (flow_grpo's compressibility)",
-            f"{_RM}.dispatch:jpeg_compressibility_scorer",
+            f"{_SCORERS}.jpeg:build_compressibility",
         ),
         RewardType(
             "jpeg_incompressibility",
             "the JPEG size in kB",
-            f"{_RM}.dispatch:jpeg_incompressibility_scorer",
+            f"{_SCORERS}.jpeg:build_incompressibility",
         ),
         RewardType(
             "clip_score",
             "CLIP text-image cosine x 100/30 (flow_grpo's clipscore), from a local CLIP folder",
-            f"{_RM}.scorers.preference_scorers:clip_score_scorer",
+            f"{_SCORERS}.clip_score:build",
             required=("clip_score_model_path",),
             model_paths=(("clip_score_model_path", "clip_model"), ("clip_score_processor_path", "clip_processor")),
             pooled=True,
@@ -101,7 +101,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "aesthetic",
             "the LAION aesthetic predictor v2 (an MLP on CLIP ViT-L/14 image embeddings), 1-10",
-            f"{_RM}.scorers.preference_scorers:aesthetic_scorer",
+            f"{_SCORERS}.aesthetic:build",
             required=("aesthetic_model_path", "aesthetic_clip_path"),
             model_paths=(("aesthetic_model_path", "file"), ("aesthetic_clip_path", "clip_model")),
             pooled=True,
@@ -109,7 +109,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "hpsv2",
             "HPSv2 / v2.1 (an OpenCLIP ViT-H-14 checkpoint, loaded without open_clip): image-text cosine",
-            f"{_RM}.scorers.preference_scorers:hpsv2_scorer",
+            f"{_SCORERS}.hps:build",
             required=("hps_model_path", "hps_tokenizer_path"),
             model_paths=(("hps_model_path", "file"), ("hps_tokenizer_path", "tokenizer")),
             pooled=True,
@@ -117,7 +117,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "image_reward",
             "ImageReward v1.0 (BLIP + MLP head), standardised as the original",
-            f"{_RM}.scorers.preference_scorers:image_reward_scorer",
+            f"{_SCORERS}.image_reward:build",
             required=("image_reward_model_path", "image_reward_tokenizer_path"),
             model_paths=(("image_reward_model_path", "file"), ("image_reward_tokenizer_path", "tokenizer")),
             pooled=True,
@@ -125,7 +125,7 @@ REWARD_TYPES: dict[str, RewardType] = {
         RewardType(
             "vlm_judge",
             "a VLM behind an OpenAI chat API (your sglang or vLLM server): a 1-N rating parsed from its answer, / N",
-            f"{_RM}.scorers.preference_scorers:vlm_judge_scorer",
+            f"{_SCORERS}.vlm_judge:build",
             required=("vlm_judge_url",),
         ),
         RewardType(

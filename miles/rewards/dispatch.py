@@ -35,13 +35,11 @@ import numbers
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
 from miles.rewards import REWARD_TYPES, is_multi_reward, reward_components
 from miles.rewards.errors import RewardError, describe_sample, describe_samples
-from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:
     from miles.core.sample import Sample
@@ -137,25 +135,6 @@ def _checkpoint_dir(args: Any) -> str | None:
     return None if path is None else str(path)
 
 
-def jpeg_compressibility_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rewards.scorers.jpeg import jpeg_compressibility
-
-    return lambda images, prompts, metadata: jpeg_compressibility(images)
-
-
-def jpeg_incompressibility_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rewards.scorers.jpeg import jpeg_incompressibility
-
-    return lambda images, prompts, metadata: jpeg_incompressibility(images)
-
-
-def ocr_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rewards.scorers.ocr import load_ocr_engine
-
-    engine = load_ocr_engine()
-    return lambda images, prompts, metadata: engine.score(images, prompts)
-
-
 def check_settings(settings: RewardSettings, rm_type: str) -> None:
     """Fail early (ConfigError) on a reward type the settings cannot serve."""
     if rm_type not in BUILTIN_RM_TYPES:
@@ -165,97 +144,19 @@ def check_settings(settings: RewardSettings, rm_type: str) -> None:
         raise ConfigError(f"--rm-type {rm_type} requires {' and '.join(missing)}")
 
 
-def pickscore_scorer(settings: RewardSettings) -> Scorer:
-    from miles.rewards.scorers.pickscore import load_pickscore
-
-    scorer = load_pickscore(
-        settings.pickscore_model_path,
-        settings.pickscore_processor_path,
-        settings.pickscore_batch_size,
-        settings.pickscore_num_frames,
-    )
-    return lambda images, prompts, metadata: scorer.score([frames_first(im) for im in images], prompts)
-
-
-def frames_first(image: Any) -> Any:
-    """A video sample `[3, F, H, W]` -> `[F, 3, H, W]`, the layout the PickScore scorer reads frames from (it
-    scores `--pickscore-num-frames` evenly spaced frames and averages them); images pass through."""
-    shape = getattr(image, "shape", ())
-    if len(shape) != 4:
-        return image
-    return image.permute(1, 0, 2, 3) if hasattr(image, "permute") else image.transpose(1, 0, 2, 3)
-
-
-def _digit_label(meta: Mapping[str, Any]) -> int:
-    """`metadata.label`, an integer 0-9: a float (3.7, 3.0), a bool or a string ("3") is refused, not rounded or
-    parsed (ValueError quoting the value as the JSON line wrote it)."""
-    if "label" not in meta:
-        keys = clip(", ".join(map(repr, sorted(map(str, meta)))) or "no keys", 120)
-        raise ValueError(f"the digit reward needs metadata.label (the digit to draw); metadata has {keys}")
-    label = meta["label"]
-    if isinstance(label, bool) or not isinstance(label, numbers.Integral):
-        raise ValueError(f"metadata.label must be an integer 0-9, got {_as_json(label)}")
-    if not 0 <= label <= 9:
-        raise ValueError(f"metadata.label must be a digit 0-9, got {_as_json(label)}")
-    return int(label)
-
-
-def _as_json(value: Any) -> str:
-    """`value` as a JSON line writes it (true, "3", NaN, Infinity), clipped; repr for what JSON cannot hold."""
-    import json
-
-    try:
-        return clip(json.dumps(value), 80)
-    except (TypeError, ValueError):
-        pass
-    try:
-        return clip_repr(value)
-    except ValueError:  # an int past Python's digit limit
-        return "an integer too long to show"
-
-
 def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) -> None:
     """What a built-in reward needs of a prompt line, checked without scoring (the preflight reads every line
     with it): ValueError, as the reward itself would raise it. The digit reward needs `metadata.label`, OCR a
     quoted target in the prompt; the others need nothing beyond the prompt."""
     needs = REWARD_TYPES[rm_type].needs if rm_type in REWARD_TYPES else None
     if needs == "label":
-        _digit_label(metadata)
+        from miles.rewards.scorers.digit import digit_label
+
+        digit_label(metadata)
     elif needs == "quoted":
         from miles.rewards.scorers.ocr import extract_target
 
         extract_target(prompt)
-
-
-def on_8_bits(image: Any) -> Any:
-    """A float image (or video) on the 8-bit grid: round(clip(x, 0, 1) * 255) / 255 in float32, the pixels a saved
-    PNG holds (uint8 images are read as uint8 / 255). The digit reward reads this, as the other built-ins read
-    8-bit images, so a reward service that receives PNGs scores exactly what the job would in-process."""
-    import numpy as np
-
-    if hasattr(image, "detach"):
-        image = image.detach().cpu()
-        image = image.float().numpy() if image.is_floating_point() else image.numpy()
-    arr = np.asarray(image)
-    if arr.dtype == np.uint8:
-        return arr.astype(np.float32) / np.float32(255.0)
-    levels = np.clip(np.round(arr.astype(np.float32) * np.float32(255.0)), 0, 255).astype(np.uint8)
-    return levels.astype(np.float32) / np.float32(255.0)
-
-
-def digit_scorer(settings: RewardSettings) -> Scorer:
-    """The digit reward (`scorers.digit.digit_reward`): an image's probability of its label; a video's, the mean
-    over its frames (`[3, F, H, W]` samples are read per frame)."""
-    from miles.rewards.scorers.digit import digit_reward, load_digit_classifier
-
-    path = None if settings.hf_checkpoint is None else Path(settings.hf_checkpoint)
-    classifier = load_digit_classifier(path)
-
-    def score(images: Sequence[Any], prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[float]:
-        labels = [_digit_label(m) for m in metadata]
-        return digit_reward([on_8_bits(im) for im in images], labels, classifier, value_range="0,1")
-
-    return score
 
 
 def build_scorer(settings: RewardSettings, rm_type: str) -> Scorer:

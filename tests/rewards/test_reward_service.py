@@ -234,7 +234,7 @@ def test_remote_equals_in_process_for_jpeg_compressibility(service) -> None:
 
 @pytest.mark.slow
 def test_digit_reward_is_bit_identical_remotely_for_float_images(service, tmp_path: Path) -> None:
-    """The digit reward reads every image on the 8-bit grid (`dispatch.on_8_bits`), so a float image off the grid,
+    """The digit reward reads every image on the 8-bit grid (`scorers.digit.on_8_bits`), so a float image off the grid,
     quantised to a PNG on the wire, scores bit-identically remotely; uint8 images too."""
     from miles.data.digits import load_digits_split
     from miles.models.digit_classifier import CLASSIFIER_DIRNAME, fit_digit_classifier, save_digit_classifier

@@ -23,11 +23,15 @@ scored on `num_frames` uniformly spaced frames (all when None) and the frame sco
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from miles.rewards.scorers._model import model_scorer
 from miles.rewards.scorers.clip_score import ChunkedFrameScorer, frozen_clip, projected, resolve_device
+
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 MLP_HIDDEN = (1024, 128, 64, 16)
 MLP_DROPOUT = (0.2, 0.2, 0.1)
@@ -113,3 +117,8 @@ def load_aesthetic(
 ) -> AestheticScorer:
     """A process-wide aesthetic scorer per (MLP path, CLIP path, batch size, frames)."""
     return AestheticScorer(str(model_path), str(clip_path), batch_size=int(batch_size), num_frames=num_frames)
+
+
+def build(settings: RewardSettings) -> Scorer:
+    """`--rm-type aesthetic`."""
+    return model_scorer(load_aesthetic(settings.get("aesthetic_model_path"), settings.get("aesthetic_clip_path")))

@@ -33,11 +33,15 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from miles.rewards.scorers._model import model_scorer
 from miles.rewards.scorers.jpeg import image_to_uint8
+
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 CLIP_SCORE_WEIGHT = 100.0  # torchmetrics' CLIPScore weight (Hessel et al.'s w is 2.5)
 CLIP_SCORE_DIVISOR = 30.0  # flow_grpo's clip_scorer.py: logits_per_image.diagonal() / 30
@@ -240,4 +244,12 @@ def load_clip_score(
         scale=float(scale),
         batch_size=int(batch_size),
         num_frames=num_frames,
+    )
+
+
+def build(settings: RewardSettings) -> Scorer:
+    """`--rm-type clip_score`."""
+    model = settings.get("clip_score_model_path")
+    return model_scorer(
+        load_clip_score(model, settings.get("clip_score_processor_path"), settings.get("clip_score_scale"))
     )

@@ -7,8 +7,10 @@ the mean over its frames of the probability of its label. Images and videos may 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import numbers
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,14 +23,21 @@ from miles.models.digit_classifier import (
     read_classifier_metadata,
     videos_to_digits,
 )
+from miles.utils.text import clip, clip_repr
+
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 __all__ = [
     "CLASSIFIER_DIRNAME",
+    "build",
+    "digit_label",
     "digit_probabilities",
     "digit_reward",
     "digits_to_features",
     "images_to_digits",
     "load_digit_classifier",
+    "on_8_bits",
     "read_classifier_metadata",
     "sample_digits",
 ]
@@ -99,3 +108,59 @@ def digit_reward(
     probs = _classifier(classifier).predict_proba(digits_to_features(x8))
     per_digit = probs[np.arange(len(probs)), labels[owner]]
     return [float(p) for p in _per_sample_mean(per_digit, owner, n)]
+
+
+# ---- the scorer of `--rm-type digit` ----------------------------------------------------------
+def digit_label(meta: Mapping[str, Any]) -> int:
+    """`metadata.label`, an integer 0-9: a float (3.7, 3.0), a bool or a string ("3") is refused, not rounded or
+    parsed (ValueError quoting the value as the JSON line wrote it)."""
+    if "label" not in meta:
+        keys = clip(", ".join(map(repr, sorted(map(str, meta)))) or "no keys", 120)
+        raise ValueError(f"the digit reward needs metadata.label (the digit to draw); metadata has {keys}")
+    label = meta["label"]
+    if isinstance(label, bool) or not isinstance(label, numbers.Integral):
+        raise ValueError(f"metadata.label must be an integer 0-9, got {_as_json(label)}")
+    if not 0 <= label <= 9:
+        raise ValueError(f"metadata.label must be a digit 0-9, got {_as_json(label)}")
+    return int(label)
+
+
+def _as_json(value: Any) -> str:
+    """`value` as a JSON line writes it (true, "3", NaN, Infinity), clipped; repr for what JSON cannot hold."""
+    import json
+
+    try:
+        return clip(json.dumps(value), 80)
+    except (TypeError, ValueError):
+        pass
+    try:
+        return clip_repr(value)
+    except ValueError:  # an int past Python's digit limit
+        return "an integer too long to show"
+
+
+def on_8_bits(image: Any) -> Any:
+    """A float image (or video) on the 8-bit grid: round(clip(x, 0, 1) * 255) / 255 in float32, the pixels a saved
+    PNG holds (uint8 images are read as uint8 / 255). The digit reward reads this, as the other built-ins read
+    8-bit images, so a reward service that receives PNGs scores exactly what the job would in-process."""
+    if hasattr(image, "detach"):
+        image = image.detach().cpu()
+        image = image.float().numpy() if image.is_floating_point() else image.numpy()
+    arr = np.asarray(image)
+    if arr.dtype == np.uint8:
+        return arr.astype(np.float32) / np.float32(255.0)
+    levels = np.clip(np.round(arr.astype(np.float32) * np.float32(255.0)), 0, 255).astype(np.uint8)
+    return levels.astype(np.float32) / np.float32(255.0)
+
+
+def build(settings: RewardSettings) -> Scorer:
+    """`--rm-type digit`, the digit reward (`digit_reward`): an image's probability of its label; a video's, the mean
+    over its frames (`[3, F, H, W]` samples are read per frame)."""
+    path = None if settings.hf_checkpoint is None else Path(settings.hf_checkpoint)
+    classifier = load_digit_classifier(path)
+
+    def score(images: Sequence[Any], prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[float]:
+        labels = [digit_label(m) for m in metadata]
+        return digit_reward([on_8_bits(im) for im in images], labels, classifier, value_range="0,1")
+
+    return score

@@ -29,10 +29,11 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from miles.rewards.scorers._model import model_scorer
 from miles.rewards.scorers.clip_score import (
     ChunkedFrameScorer,
     clip_pixels,
@@ -40,6 +41,9 @@ from miles.rewards.scorers.clip_score import (
     projected,
     resolve_device,
 )
+
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 # open_clip's vision towers whose head width is not 64 (ViT-H-14: 80, ViT-g-14: 88, ViT-bigG-14: 104)
 _VISION_HEADS_BY_WIDTH = {1280: 16, 1408: 16, 1664: 16}
@@ -253,3 +257,8 @@ class HpsScorer(ChunkedFrameScorer):
 def load_hps(model_path: str, tokenizer_path: str, batch_size: int = 8, num_frames: int | None = None) -> HpsScorer:
     """A process-wide HPS scorer per (checkpoint, tokenizer, batch size, frames)."""
     return HpsScorer(str(model_path), str(tokenizer_path), batch_size=int(batch_size), num_frames=num_frames)
+
+
+def build(settings: RewardSettings) -> Scorer:
+    """`--rm-type hpsv2`."""
+    return model_scorer(load_hps(settings.get("hps_model_path"), settings.get("hps_tokenizer_path")))

@@ -37,10 +37,11 @@ import functools
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from miles.rewards.scorers._model import model_scorer
 from miles.rewards.scorers.aesthetic import aesthetic_mlp
 from miles.rewards.scorers.clip_score import (
     ChunkedFrameScorer,
@@ -48,6 +49,9 @@ from miles.rewards.scorers.clip_score import (
     module_from_state_dict,
     resolve_device,
 )
+
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 IMAGE_REWARD_MEAN = 0.16717362830052426
 IMAGE_REWARD_STD = 1.0333394966054072
@@ -253,3 +257,10 @@ def load_image_reward(
 ) -> ImageRewardScorer:
     """A process-wide ImageReward scorer per (checkpoint, tokenizer, batch size, frames)."""
     return ImageRewardScorer(str(model_path), str(tokenizer_path), batch_size=int(batch_size), num_frames=num_frames)
+
+
+def build(settings: RewardSettings) -> Scorer:
+    """`--rm-type image_reward`."""
+    return model_scorer(
+        load_image_reward(settings.get("image_reward_model_path"), settings.get("image_reward_tokenizer_path"))
+    )

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 JPEG_QUALITY = 95
 COMPRESSIBILITY_SCALE = 500.0
@@ -73,3 +76,13 @@ def jpeg_incompressibility(images: Sequence[Any]) -> list[float]:
 def jpeg_compressibility(images: Sequence[Any]) -> list[float]:
     """One reward per image: -size_kB / 500 (closer to 0 = more compressible)."""
     return [-size / COMPRESSIBILITY_SCALE for size in jpeg_incompressibility(images)]
+
+
+def build_compressibility(settings: RewardSettings) -> Scorer:
+    """`--rm-type jpeg_compressibility`."""
+    return lambda images, prompts, metadata: jpeg_compressibility(images)
+
+
+def build_incompressibility(settings: RewardSettings) -> Scorer:
+    """`--rm-type jpeg_incompressibility`."""
+    return lambda images, prompts, metadata: jpeg_incompressibility(images)

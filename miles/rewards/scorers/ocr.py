@@ -22,10 +22,13 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.rewards.scorers.jpeg import image_to_uint8
 from miles.utils.text import clip_repr
+
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 
 # ---- pure arithmetic (no engine) ---------------------------------------------------------------
@@ -128,3 +131,9 @@ def load_ocr_engine() -> OcrEngine:
 def ocr_reward(images: Sequence[Any], prompts: Sequence[str], engine: OcrEngine | None = None) -> list[float]:
     """One OCR reward per (image, prompt)."""
     return (engine or load_ocr_engine()).score(images, prompts)
+
+
+def build(settings: RewardSettings) -> Scorer:
+    """`--rm-type ocr`, on the process-wide engine."""
+    engine = load_ocr_engine()
+    return lambda images, prompts, metadata: engine.score(images, prompts)

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from miles.rewards.scorers._model import frames_first
 from miles.rewards.scorers.clip_score import (
     ChunkedFrameScorer,
     clip_cosines,
@@ -30,7 +31,10 @@ from miles.rewards.scorers.clip_score import (
     resolve_device,
 )
 
-__all__ = ["PickScoreScorer", "frame_indices", "load_pickscore", "pickscore_reward"]
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
+
+__all__ = ["PickScoreScorer", "build", "frame_indices", "load_pickscore", "pickscore_reward"]
 
 PICKSCORE_SCALE = 26.0
 
@@ -75,3 +79,14 @@ def pickscore_reward(
 ) -> list[float]:
     """One PickScore per (image, prompt)."""
     return load_pickscore(str(model_path), str(processor_path), int(batch_size), num_frames).score(images, prompts)
+
+
+def build(settings: RewardSettings) -> Scorer:
+    """`--rm-type pickscore`; a video sample is read frames first (`frames_first`)."""
+    scorer = load_pickscore(
+        settings.pickscore_model_path,
+        settings.pickscore_processor_path,
+        settings.pickscore_batch_size,
+        settings.pickscore_num_frames,
+    )
+    return lambda images, prompts, metadata: scorer.score([frames_first(im) for im in images], prompts)

@@ -32,12 +32,16 @@ import io
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from miles.rewards.scorers._model import model_scorer
 from miles.rewards.scorers.clip_score import sample_frames
 from miles.utils.text import clip
+
+if TYPE_CHECKING:
+    from miles.rewards.dispatch import RewardSettings, Scorer
 
 DEFAULT_PROMPT_TEMPLATE = (
     "You are an expert judge of AI-generated images.\n"
@@ -284,3 +288,17 @@ def load_vlm_judge(
         max_concurrency=max_concurrency,
         num_frames=num_frames,
     )
+
+
+def build(settings: RewardSettings) -> Scorer:
+    """`--rm-type vlm_judge`."""
+    judge = load_vlm_judge(
+        settings.get("vlm_judge_url"),
+        settings.get("vlm_judge_model"),
+        settings.get("vlm_judge_prompt_template", DEFAULT_PROMPT_TEMPLATE),
+        settings.get("vlm_judge_score_pattern", DEFAULT_SCORE_PATTERN),
+        float(settings.get("vlm_judge_max_score", DEFAULT_MAX_SCORE)),
+        settings.get("vlm_judge_num_frames"),
+        max_concurrency=int(settings.get("vlm_judge_max_concurrency", 8)),
+    )
+    return model_scorer(judge)
