@@ -8,14 +8,15 @@ dotted path (like `miles.core.inputs.ENSURE_INPUT` or the method table's `impl`)
 The floors, lowest first (the root module `miles/methods.py`, the method table, and the face of the rewards,
 `miles/rewards/__init__.py`, the reward table, sit on the ground floor):
 
-    core < utils < io < data < models < placement < config < rewards < rollout < algorithms < training < builtin
-    < memory < preflight < runtime
+    core < utils < io < data < models < sampling < placement < config < rewards < rollout < algorithms < training
+    < builtin < memory < preflight < runtime
+
+The sampling math (`sampling/`: the denoising grid, the step strategies, the SDE and ODE steps) sits just above the
+models, below the config: its rules warn about the trained steps before anything starts, torch-free.
 
 A torch-free table may sit below its package (`MODULE_FLOORS`): `builtin/names.py`, the catalogue of the embedded
-default, is on the floor of utils, so the config's rules and the models' metadata may read the built-in names; the
-denoising grid (`rollout/grid.py`), the stock step strategies (`rollout/step_strategy_hub.py`, torch imported inside
-the one strategy that draws with it) and what they train on the grid (`rollout/trained_steps.py`) are on the floor of
-models, so the config's rules can warn about the trained steps before anything starts.
+default, is on the floor of utils, so the config's rules, the models' metadata and the denoising grid may read the
+built-in names.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ORDER = (
     "io",
     "data",
     "models",
+    "sampling",
     "placement",
     "config",
     "rewards",
@@ -53,9 +55,6 @@ GROUND_FACES = ("rewards",)
 # package.module -> the floor it sits on, below its package's (a table the lower floors read)
 MODULE_FLOORS = {
     "builtin.names": "utils",
-    "rollout.grid": "models",
-    "rollout.step_strategy_hub": "models",
-    "rollout.trained_steps": "models",
 }
 
 

@@ -9,7 +9,7 @@ Prompt JSONL, one object per line (blank lines are skipped), read by the streami
 `get_samples(num_prompts)` returns `num_prompts` groups; a group is one prompt repeated
 `n_samples_per_prompt` times. `group_index` counts groups over the whole run (it survives epochs and
 resume), `index` is the sample's position in the returned batch, and `seed` follows the documented
-layout of `miles.rollout.seeds` (`seed_base(group_index) + j` for the j-th sample of a group).
+layout of `miles.sampling.seeds` (`seed_base(group_index) + j` for the j-th sample of a group).
 
 The order of the prompts is a fresh permutation every epoch, drawn from `(--seed, epoch)`, so it is
 deterministic, differs between epochs, and is reproduced exactly after `load_state_dict`.
@@ -37,7 +37,7 @@ from miles.rollout.prompt_file import MAX_LINE_BYTES as MAX_LINE_BYTES
 from miles.rollout.prompt_file import PromptRecord as PromptRecord
 from miles.rollout.prompt_file import iter_jsonl_objects as iter_jsonl_objects
 from miles.rollout.prompt_file import load_prompt_jsonl as load_prompt_jsonl
-from miles.rollout.seeds import group_sample_seeds
+from miles.sampling.seeds import group_sample_seeds
 from miles.utils.atomic import atomic_write_text
 from miles.utils.hooks import load_class, load_function
 

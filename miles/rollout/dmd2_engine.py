@@ -28,7 +28,7 @@ from miles.core.sample import Conditions, Sample, Trajectory
 from miles.models.pipeline_config import prompt_geometry
 from miles.rollout.dmd2_sampler import backward_simulate, few_step_sample, x0_at
 from miles.rollout.engines.base import GenerateRequest
-from miles.rollout.seeds import draw_normal
+from miles.sampling.seeds import draw_normal
 
 MAX_BATCH = 256
 FEW_STEP_SDE_TYPE = "dmd2_few_step"

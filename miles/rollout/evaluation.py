@@ -19,7 +19,7 @@ from typing import Any
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.rollout.data_source import load_prompt_jsonl, resolve_prompt_data
-from miles.rollout.seeds import group_sample_seeds
+from miles.sampling.seeds import group_sample_seeds
 
 EVAL_SEED_OFFSET = 1_000_003  # eval seeds never collide with the training layout's first groups
 

@@ -19,7 +19,7 @@ from miles.rollout import rollout_hooks
 from miles.rollout.data_source import load_data_source
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.rollout_batch import PREVIEW_SAMPLES, RolloutBatch  # noqa: F401 (imported from here)
-from miles.rollout.step_strategy_hub import resolve_step_strategy, select_steps
+from miles.sampling.step_strategies import resolve_step_strategy, select_steps
 from miles.utils.buckets import chunk_state_dict
 
 

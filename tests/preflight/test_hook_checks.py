@@ -93,11 +93,11 @@ def test_a_class_hook_must_be_a_class(job: Job, user_module: str) -> None:
 
 def test_miles_paths_are_read_without_importing_them(job: Job) -> None:
     before = set(sys.modules)
-    assert check_hooks(job("rl")) == []  # the recipe's miles.rollout.step_strategy_hub.sde_window
-    assert "miles.rollout.step_strategy_hub" not in set(sys.modules) - before
-    assert check_hooks(job("rl", diffusion_step_strategy_path="miles.rollout.step_strategy_hub.sde_windw")) == [
-        "--diffusion-step-strategy-path 'miles.rollout.step_strategy_hub.sde_windw': "
-        "'miles.rollout.step_strategy_hub' has no attribute 'sde_windw'; expected fn(args, sample, num_steps, seed)"
+    assert check_hooks(job("rl")) == []  # the recipe's miles.sampling.step_strategies.sde_window
+    assert "miles.sampling.step_strategies" not in set(sys.modules) - before
+    assert check_hooks(job("rl", diffusion_step_strategy_path="miles.sampling.step_strategies.sde_windw")) == [
+        "--diffusion-step-strategy-path 'miles.sampling.step_strategies.sde_windw': "
+        "'miles.sampling.step_strategies' has no attribute 'sde_windw'; expected fn(args, sample, num_steps, seed)"
     ]
 
 

@@ -1,5 +1,5 @@
-"""Which denoising steps an RL job trains, read before launch (torch-free): the grid (`miles.rollout.grid`), the steps
-the step strategy may draw on it (`miles.rollout.step_strategy_hub.candidate_steps`), confined to the experts that
+"""Which denoising steps an RL job trains, read before launch (torch-free): the grid (`miles.sampling.grid`), the steps
+the step strategy may draw on it (`miles.sampling.step_strategies.candidate_steps`), confined to the experts that
 train, each with its sigma, |dt|, the per-step noise std of `--diffusion-sde-type` and the expert that owns it.
 
 `miles inspect-config` and `miles plan` print it (`plan_lines`); the config rules warn (`grid_warnings`) when
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from miles.rollout.grid import Grid, compute_grid, step_noise_std
-from miles.rollout.step_strategy_hub import Candidates, candidate_steps
+from miles.sampling.grid import Grid, compute_grid, step_noise_std
+from miles.sampling.step_strategies import Candidates, candidate_steps
 
 # the layers of a job's args, in the order they are laid on (`miles.config.resolve`)
 LAYERS = ("default", "recipe", "cli", "yaml")
@@ -91,7 +91,7 @@ def trained_steps(args: Any, num_steps: int | None = None) -> TrainedSteps | str
     experts = _trained_experts(args, grid)
     allowed = None
     if experts and set(experts) != {e for e in grid.experts if e is not None}:
-        # the runtime confines the draw to the trained experts' steps (`miles.rollout.manager.trained_expert_steps`)
+        # the runtime confines the draw to the trained experts' steps (the rollout manager's `trained_expert_steps`)
         allowed = [i for i, e in enumerate(grid.experts) if e in experts]
     candidates = candidate_steps(args, grid.num_steps, allowed)
     if candidates is None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from miles.config.resolution import schema_args
-from miles.rollout.sde import sde_step
-from miles.rollout.sde_backends import SdeStepBackend, backend_step
+from miles.sampling.sde import sde_step
+from miles.sampling.sde_backends import SdeStepBackend, backend_step
 
 
 def _case(seed: int = 0):

@@ -5,12 +5,17 @@ applies there) and where the schedule is compressed (`--diffusion-post-sde-steps
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from miles.rollout.engines.base import GenerateRequest
+from typing import Protocol
 
 NEVER = 1 << 30  # a branch step no schedule reaches: the whole trajectory is shared
+
+
+class Request(Protocol):
+    """What a plan reads of an engine's request (the engines' `GenerateRequest`)."""
+
+    evaluation: bool
+    shared_prefix: bool
+    post_sde_steps_ratio: float | None
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class SamplingPlan:
     compress_after: int | None
 
     @classmethod
-    def of(cls, req: GenerateRequest, sde_sets: list[set[int]]) -> SamplingPlan:
+    def of(cls, req: Request, sde_sets: list[set[int]]) -> SamplingPlan:
         last = tuple(max(steps) if steps else -1 for steps in sde_sets)
         shared = all(steps == sde_sets[0] for steps in sde_sets)
         branch_at = None

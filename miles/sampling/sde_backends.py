@@ -10,9 +10,9 @@ computes its own log-probs and is refused with the flag).
 A backend is built once per process as `cls(args)` and implements
 
     sde_step_logprob(v, x, sigma, sigma_next, *, sde_type, noise_level, sigma_max=None, noise=None,
-                     prev_sample=None, generator=None) -> miles.rollout.sde.StepResult
+                     prev_sample=None, generator=None) -> miles.sampling.sde.StepResult
 
-with the arguments and the result of `miles.rollout.sde.sde_step` (rollout: `prev_sample` None, sample the
+with the arguments and the result of `miles.sampling.sde.sde_step` (rollout: `prev_sample` None, sample the
 next latent; trainer recompute: `prev_sample` given, return it with its log-prob, gradients through `mean`).
 `sde_type` is the type the step was (or is) sampled with, so one backend may serve several types.
 `--diffusion-log-prob-no-const` is read by the built-in backends (`self.no_const`).
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from miles.rollout.sde import GeneratorArg, Scalar, StepResult, sde_step
+from miles.sampling.sde import GeneratorArg, Scalar, StepResult, sde_step
 
 FLAG = "--sde-step-backend-path"
 
@@ -122,5 +122,5 @@ def backend_step(
     result = backend.sde_step_logprob(v, x, sigma, sigma_next, **kwargs)
     if not isinstance(result, StepResult):
         path = args.sde_step_backend_path
-        raise TypeError(f"{FLAG} {path!r} returned {type(result).__name__}; expected miles.rollout.sde.StepResult")
+        raise TypeError(f"{FLAG} {path!r} returned {type(result).__name__}; expected miles.sampling.sde.StepResult")
     return result

@@ -14,11 +14,11 @@ from miles.config.resolution import schema_args
 from miles.config.resolve import resolve
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
-from miles.rollout import step_strategy_hub as hub
-from miles.rollout.ode_solvers import compress_after, data_prediction, dpmpp_2m_step, post_window_points
-from miles.rollout.sde import shift_sigmas
+from miles.sampling import step_strategies as hub
+from miles.sampling.ode_solvers import compress_after, data_prediction, dpmpp_2m_step, post_window_points
+from miles.sampling.sde import shift_sigmas
 
-MIX = "miles.rollout.step_strategy_hub.mix_grpo_window"
+MIX = "miles.sampling.step_strategies.mix_grpo_window"
 
 
 # ---- the window schedule (C.6.1) -----------------------------------------------------------------

@@ -12,9 +12,9 @@ import pytest
 from miles.config.resolution import schema_args
 from miles.config.resolve import resolve
 from miles.core.errors import ConfigError
-from miles.rollout.step_strategy_hub import candidate_steps, select_steps
+from miles.sampling.step_strategies import candidate_steps, select_steps
 
-HUB = "miles.rollout.step_strategy_hub."
+HUB = "miles.sampling.step_strategies."
 T = 10
 
 

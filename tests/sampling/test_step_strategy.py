@@ -8,8 +8,8 @@ import pytest
 from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
-from miles.rollout import step_strategy_hub as hub
-from miles.rollout.seeds import group_sample_seeds
+from miles.sampling import step_strategies as hub
+from miles.sampling.seeds import group_sample_seeds
 
 
 def _args(**kw):
@@ -95,7 +95,7 @@ def test_default_steps():
 def test_resolve_and_select():
     assert hub.resolve_step_strategy(_args()) is hub.default_steps
     assert hub.resolve_step_strategy(_args(diffusion_step_strategy_path="sde_window")) is hub.sde_window
-    path = "miles.rollout.step_strategy_hub.epoch_global_random_choice"
+    path = "miles.sampling.step_strategies.epoch_global_random_choice"
     assert hub.resolve_step_strategy(_args(diffusion_step_strategy_path=path)) is hub.epoch_global_random_choice
     custom = _args(diffusion_step_strategy_path=f"{__name__}.custom_strategy")
     assert hub.resolve_step_strategy(custom) is custom_strategy

@@ -9,7 +9,7 @@ import torch
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from miles.models.pipeline_config import scheduler_schedule
-from miles.rollout.sde import (
+from miles.sampling.sde import (
     draw_noise,
     sd3_sigmas,
     sde_step,
@@ -17,7 +17,7 @@ from miles.rollout.sde import (
     sigmas_to_timesteps,
     step_log_prob,
 )
-from miles.rollout.seeds import (
+from miles.sampling.seeds import (
     expand_seed,
     group_sample_seeds,
     initial_noise,

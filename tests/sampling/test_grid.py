@@ -1,4 +1,4 @@
-"""The torch-free denoising grid (`miles.rollout.grid`) against what the engines compute with torch and diffusers:
+"""The torch-free denoising grid (`miles.sampling.grid`) against what the engines compute with torch and diffusers:
 the family's `schedule` on a diffusers scheduler built from the same config, the step's std from `sde_step` through
 the built-in backend, Wan's expert routing; the grids of shared/reference/families.md as literals; and a fresh
 interpreter that computes two recipes' grids without importing torch or diffusers."""
@@ -19,8 +19,8 @@ import pytest
 
 from miles.models.families import get_family
 from miles.models.scheduler_grid import live_scheduler_config
-from miles.rollout.grid import Grid, compute_grid, denoising_grid, grid_unavailable_reason, shipped_folder
-from miles.rollout.grid import step_noise_std as grid_std
+from miles.sampling.grid import Grid, compute_grid, denoising_grid, grid_unavailable_reason, shipped_folder
+from miles.sampling.grid import step_noise_std as grid_std
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = (1, 2, 4, 6, 10, 16, 20, 24, 35, 40)
@@ -156,7 +156,7 @@ def _engine_std(sigmas: Any, i: int, sde_type: str, noise_level: float) -> float
     """The std of step i as the engine's step computes it (`backend_step` with the engine's arguments)."""
     import torch
 
-    from miles.rollout.sde_backends import backend_step
+    from miles.sampling.sde_backends import backend_step
 
     args = SimpleNamespace(sde_step_backend_path=None, diffusion_log_prob_no_const=False)
     x = torch.zeros(1, 4)
@@ -347,7 +347,7 @@ def test_a_recipes_grid_imports_no_torch_nor_diffusers_and_is_quick(tmp_path: Pa
         from miles.config.resolve import resolve
         jobs = [resolve(None, recipe=name).args for name in ("wan22-pickscore-grpo", "tiny-digits-grpo")]
         start = time.perf_counter()
-        from miles.rollout.grid import denoising_grid
+        from miles.sampling.grid import denoising_grid
         grids = [denoising_grid(args) for args in jobs]
         end = time.perf_counter()
         print(json.dumps({

@@ -15,7 +15,7 @@ returning `(sde_step_indices, return_step_indices)`:
 `args` is any object with the flags as attributes (a missing flag reads as its default); in a rollout it also
 carries `rollout_id`, the rollout being sampled (absent elsewhere: read it with `getattr(args, "rollout_id",
 None)`). `seed` is the seed the engine passes (a sample's, or under `--diffusion-shared-prefix` its microgroup's,
-see `miles.rollout.seeds`): strategies that depend on it are reproducible per seed.
+see `miles.sampling.seeds`): strategies that depend on it are reproducible per seed.
 
 Stock strategies (name them by their bare name or full dotted path):
   - `sde_window`: a random contiguous window of `--diffusion-num-sde-steps` W steps inside

@@ -11,8 +11,8 @@ import torch
 from miles.config.args import Args
 from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
-from miles.rollout.sde import StepResult, sde_step
-from miles.rollout.sde_backends import CpsSdeStepBackend, DiffusersSdeStepBackend, backend_step, sde_backend
+from miles.sampling.sde import StepResult, sde_step
+from miles.sampling.sde_backends import CpsSdeStepBackend, DiffusersSdeStepBackend, backend_step, sde_backend
 
 CALLS: list[tuple[str, bool]] = []
 

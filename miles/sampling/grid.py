@@ -4,7 +4,7 @@
 next sigma, |dt|, timestep and (for a family with experts, wan2_2) the expert that denoises it, equal to what
 `TrainPipelineConfig.schedule` computes with the diffusers scheduler at run time (the family's `grid_schedule` is
 the same arithmetic in numpy). `step_noise_std(grid, i, sde_type, noise_level)` is the std of step i's Gaussian
-transition as `miles.rollout.sde.sde_step` computes it inside the in-process engine (the built-in step backends).
+transition as `miles.sampling.sde.sde_step` computes it inside the in-process engine (the built-in step backends).
 
 Where the scheduler config comes from, first hit wins (none of them is downloaded):
   1. `--hf-checkpoint` as a local folder (a built-in name: its build under `$MILES_HOME`, once built),
