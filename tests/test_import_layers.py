@@ -8,11 +8,13 @@ dotted path (like `miles.core.inputs.ENSURE_INPUT` or the method table's `impl`)
 The floors, lowest first (the root module `miles/methods.py`, the method table, and the face of the rewards,
 `miles/rewards/__init__.py`, the reward table, sit on the ground floor):
 
-    core < utils < io < data < models < sampling < placement < config < rewards < rollout < algorithms < training
+    core < utils < io < data < models < sampling < algorithms < placement < config < rewards < rollout < training
     < builtin < memory < preflight < runtime
 
 The sampling math (`sampling/`: the denoising grid, the step strategies, the SDE and ODE steps) sits just above the
-models, below the config: its rules warn about the trained steps before anything starts, torch-free.
+models, below the config (its rules warn about the trained steps before anything starts, torch-free) and below the
+algorithms (the training formulas read its sigma shift), which sit below everything that runs: they import no
+rollout, config or trainer.
 
 A torch-free table may sit below its package (`MODULE_FLOORS`): `builtin/names.py`, the catalogue of the embedded
 default, is on the floor of utils, so the config's rules, the models' metadata and the denoising grid may read the
@@ -37,11 +39,11 @@ ORDER = (
     "data",
     "models",
     "sampling",
+    "algorithms",
     "placement",
     "config",
     "rewards",
     "rollout",
-    "algorithms",
     "training",
     "builtin",
     "memory",
