@@ -1,5 +1,5 @@
 """Data files: the prompt data, the eval sets and SFT data, streamed line by line through the reader the runtime
-uses (`miles.rollout.prompt_file`), so a problem is the line the runtime would have stopped at, found first.
+uses (`miles.data.prompt_file`), so a problem is the line the runtime would have stopped at, found first.
 
 A prompt line must parse, carry a non-empty string at `--input-key` and an object (or nothing) at
 `--metadata-key`, and hold what its reward needs (`miles.rewards.dispatch.check_reward_inputs`: a digit
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
-from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields, url_problem
+from miles.data.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields, url_problem
 from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:

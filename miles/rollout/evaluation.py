@@ -102,7 +102,7 @@ class _RowKeys:
 
 def _text(value: Any, key: str, where: str) -> str:
     """A dataset's name or path: a non-empty string (a YAML number is taken as its text)."""
-    from miles.rollout.prompt_file import kind
+    from miles.data.prompt_file import kind
 
     what = "prompt JSONL file (or a built-in data set)" if key == "path" else "name (metrics: eval/<name>/...)"
     if value is None:

@@ -191,8 +191,8 @@ def test_an_import_that_hangs_is_refused_at_the_deadline(
 # ---- miles paths bound by assignment ----------------------------------------------------------------------------
 def test_a_miles_constant_is_not_a_function(job: Job) -> None:
     """`MAX_LINE_BYTES = 1 << 20`: an expression, so the (torch-free) module is imported to tell."""
-    assert check_hooks(job("rl", custom_rm_path="miles.rollout.prompt_file.MAX_LINE_BYTES")) == [
-        "--custom-rm-path 'miles.rollout.prompt_file.MAX_LINE_BYTES': names a int, not a function; "
+    assert check_hooks(job("rl", custom_rm_path="miles.data.prompt_file.MAX_LINE_BYTES")) == [
+        "--custom-rm-path 'miles.data.prompt_file.MAX_LINE_BYTES': names a int, not a function; "
         "expected fn(args, samples)"
     ]
 

@@ -97,7 +97,7 @@ def iter_jsonl_objects(
             if len(raw_bytes) > MAX_LINE_BYTES and not raw_bytes.endswith(b"\n"):
                 raise ConfigError(
                     f"{where}: line longer than {MAX_LINE_BYTES // 2**20} MiB (MAX_LINE_BYTES, "
-                    f"miles.rollout.prompt_file); a {what} line is one JSON object: is this the right file?"
+                    f"miles.data.prompt_file); a {what} line is one JSON object: is this the right file?"
                 )
             try:
                 raw = raw_bytes.decode("utf-8-sig" if lineno == 1 else "utf-8")
