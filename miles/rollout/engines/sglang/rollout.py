@@ -79,7 +79,7 @@ class SglangRollout:
         from miles.core.inputs import input_path
         from miles.models.tiny.metadata import max_sequence_length
         from miles.rollout.engines.sglang.engine import engine_actor_class
-        from miles.rollout.router import MilesRouter, RouterConfig
+        from miles.rollout.engines.sglang.router import MilesRouter, RouterConfig
         from miles.utils.sglang_env import resolve_sglang_python
 
         self.args = args
