@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles.config.resolve import resolve
-from miles.rollout.dmd2_engine import few_step_request
+from miles.rollout.dmd2.engine import few_step_request
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
 from miles.sampling.seeds import cpu_generator
 

@@ -214,8 +214,8 @@ class DiffusersEngine:
         self._guest = None
 
     def generate_few_step(self, requests: list[GenerateRequest]) -> list[Sample]:
-        """The DMD2 student's few-step rollouts (`miles.rollout.dmd2_engine`), all requests as one batch."""
-        from miles.rollout.dmd2_engine import generate_few_step
+        """The DMD2 student's few-step rollouts (`miles.rollout.dmd2.engine`), all requests as one batch."""
+        from miles.rollout.dmd2.engine import generate_few_step
 
         return generate_few_step(self, requests)
 

@@ -26,7 +26,7 @@ import torch
 
 from miles.core.sample import Conditions, Sample, Trajectory
 from miles.models.pipeline_config import prompt_geometry
-from miles.rollout.dmd2_sampler import backward_simulate, few_step_sample, x0_at
+from miles.rollout.dmd2.sampler import backward_simulate, few_step_sample, x0_at
 from miles.rollout.engines.base import GenerateRequest
 from miles.sampling.seeds import draw_normal
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from miles.core.sample import Sample
-from miles.rollout.dmd2_engine import few_step_request
+from miles.rollout.dmd2.engine import few_step_request
 from miles.rollout.manager import RolloutBatch, RolloutManager, build_requests
 
 
