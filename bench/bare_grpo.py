@@ -16,7 +16,7 @@ def bare_micro_step(model: torch.nn.Module, batch: list, n_pairs: int, settings:
     """Forward, loss and backward of `batch` (pairs of `miles.training.pairs`), weighted `len(batch) / n_pairs`.
     `settings`: guidance_scale, sde_type, noise_level, clip_range, adv_clip_max."""
     from miles.algorithms.policy_loss import policy_loss
-    from miles.rollout.sde import sde_step
+    from miles.sampling.sde import sde_step
     from miles.training.pairs import stack_conditions
 
     ss = [p.sample for p in batch]

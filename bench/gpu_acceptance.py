@@ -175,7 +175,7 @@ def run_flags(checkpoint: Path, out: Path, resolution: int) -> list[str]:
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--rollout-microgroup-size", "8",
         "--global-batch-size", "32", "--micro-batch-size", "8",
         "--diffusion-num-steps", "10",
-        "--diffusion-step-strategy-path", "miles.rollout.step_strategy_hub.sde_window",
+        "--diffusion-step-strategy-path", "miles.sampling.step_strategies.sde_window",
         "--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,10",
         "--diffusion-height", str(resolution), "--diffusion-width", str(resolution),
         "--diffusion-guidance-scale", "4.5",

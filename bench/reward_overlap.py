@@ -48,7 +48,7 @@ class _DigitView:
 async def slow_digit(args: Any, samples: list[Any], **kwargs: Any) -> list[float]:
     """The digit reward, then SLEEP_S_PER_IMAGE seconds per image on WORKERS workers, the call split evenly over
     them (waiting, not computing: a reward model elsewhere, as a pool of WORKERS would score it)."""
-    from miles.rollout.rm_hub.dispatch import batched_async_rm
+    from miles.rewards.dispatch import batched_async_rm
 
     rewards = await batched_async_rm(_DigitView(args), samples)
     slots = _SLOTS.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(WORKERS))

@@ -36,9 +36,9 @@ def main() -> None:
     import torch
 
     from miles.config.resolve import resolve
+    from miles.rewards.scorers.digit import digit_reward, load_digit_classifier
     from miles.rollout.engines.base import GenerateRequest
     from miles.rollout.engines.diffusers_engine import DiffusersEngine
-    from miles.rollout.rm_hub.digit import digit_reward, load_digit_classifier
     from miles.training.sft_data import encode_sft_dataset
     from miles.training.trainer import Trainer
 

@@ -79,7 +79,7 @@ def print_inspect(resolved: ResolvedJob, fmt: str, show_all: bool = False) -> No
 def print_schedule(resolved: ResolvedJob) -> None:
     """What the job evaluates and when, and (an RL job) the denoising grid's trained steps as they will run."""
     from miles.config.eval_schedule import has_eval_data, schedule_text
-    from miles.rollout.trained_steps import plan_lines
+    from miles.sampling.trained_steps import plan_lines
 
     args, job = resolved.args, resolved.spec.name
     lines = plan_lines(args, job)

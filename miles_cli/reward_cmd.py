@@ -1,4 +1,4 @@
-"""`miles reward serve`: any built-in reward, or a custom one, as an HTTP service (`miles.rollout.rm_hub.service`).
+"""`miles reward serve`: any built-in reward, or a custom one, as an HTTP service (`miles.rewards.service`).
 
     miles reward serve --rm-type digit --hf-checkpoint tiny-sd3-digits-sft-short --port 8000
     miles reward serve --rm-type pickscore --pickscore-model-path DIR --pickscore-processor-path DIR --host 0.0.0.0
@@ -65,7 +65,7 @@ def custom_scorer(args: Any, path: str) -> Any:
     import asyncio
 
     from miles.core.sample import Sample
-    from miles.rollout.rm_hub.dispatch import _custom_rm
+    from miles.rewards.dispatch import _custom_rm
 
     def score(images: Any, prompts: Any, metadata: Any) -> list[float]:
         samples = [
@@ -124,8 +124,8 @@ def serve(
 
     args.inputs = builtin_paths([args.hf_checkpoint])
     prepare_inputs(args)
-    from miles.rollout.rm_hub.dispatch import RewardSettings
-    from miles.rollout.rm_hub.service.server import serve as serve_rewards
+    from miles.rewards.dispatch import RewardSettings
+    from miles.rewards.service.server import serve as serve_rewards
 
     extra = {str(custom).rsplit(".", 1)[-1]: custom_scorer(args, str(custom))} if custom is not None else None
     settings = RewardSettings.from_args(args)

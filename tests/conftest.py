@@ -142,7 +142,7 @@ def tiny_sd3_pipeline(tiny_sd3_dir: Path):
 
 @pytest.fixture(scope="session")
 def digit_classifier(tiny_sd3_dir: Path):
-    from miles.rollout.rm_hub.digit import load_digit_classifier
+    from miles.rewards.scorers.digit import load_digit_classifier
 
     return load_digit_classifier(tiny_sd3_dir)
 

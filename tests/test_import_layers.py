@@ -5,16 +5,20 @@ Every import counts, including the ones inside functions (a lazy import is still
 imports under `if TYPE_CHECKING:` (annotations) do not. What a lower floor needs from a higher one it names by
 dotted path (like `miles.core.inputs.ENSURE_INPUT` or the method table's `impl`), resolved at run time.
 
-The floors, lowest first (the root modules `miles/methods.py`, the method table, sit on the ground floor):
+The floors, lowest first (the root module `miles/methods.py`, the method table, and the face of the rewards,
+`miles/rewards/__init__.py`, the reward table, sit on the ground floor):
 
-    core < utils < io < data < models < placement < config < rollout < algorithms < training < builtin < memory
-    < preflight < runtime
+    core < utils < io < data < models < sampling < algorithms < placement < config < rewards < rollout < training
+    < builtin < memory < preflight < runtime
+
+The sampling math (`sampling/`: the denoising grid, the step strategies, the SDE and ODE steps) sits just above the
+models, below the config (its rules warn about the trained steps before anything starts, torch-free) and below the
+algorithms (the training formulas read its sigma shift), which sit below everything that runs: they import no
+rollout, config or trainer.
 
 A torch-free table may sit below its package (`MODULE_FLOORS`): `builtin/names.py`, the catalogue of the embedded
-default, is on the floor of utils, so the config's rules and the models' metadata may read the built-in names; the
-denoising grid (`rollout/grid.py`), the stock step strategies (`rollout/step_strategy_hub.py`, torch imported inside
-the one strategy that draws with it) and what they train on the grid (`rollout/trained_steps.py`) are on the floor of
-models, so the config's rules can warn about the trained steps before anything starts.
+default, is on the floor of utils, so the config's rules, the models' metadata and the denoising grid may read the
+built-in names.
 """
 
 from __future__ import annotations
@@ -34,23 +38,25 @@ ORDER = (
     "io",
     "data",
     "models",
+    "sampling",
+    "algorithms",
     "placement",
     "config",
+    "rewards",
     "rollout",
-    "algorithms",
     "training",
     "builtin",
     "memory",
     "preflight",
     "runtime",
 )
-GROUND_MODULES = ("methods", "rewards")  # miles/<name>.py: on the floor of core: the method and reward tables
+GROUND_MODULES = ("methods",)  # miles/<name>.py: on the floor of core: the method table
+# packages whose face (`__init__.py` and the names it defines, a torch-free table) sits on the floor of core, below
+# the rest of the package: the reward table; `miles.rewards.dispatch` and the rest are on the floor of rewards
+GROUND_FACES = ("rewards",)
 # package.module -> the floor it sits on, below its package's (a table the lower floors read)
 MODULE_FLOORS = {
     "builtin.names": "utils",
-    "rollout.grid": "models",
-    "rollout.step_strategy_hub": "models",
-    "rollout.trained_steps": "models",
 }
 
 
@@ -85,8 +91,16 @@ def _package(path: Path, root: Path) -> str:
     return path.relative_to(root).parts[0].removesuffix(".py")
 
 
-def _module_floor(parts: list[str]) -> int | None:
-    """The floor of `miles.<package>.<module>...` when MODULE_FLOORS places it below its package."""
+def _is_submodule(package: Path, name: str) -> bool:
+    return name != "__init__" and ((package / name).is_dir() or (package / f"{name}.py").is_file())
+
+
+def _module_floor(parts: list[str], root: Path = MILES) -> int | None:
+    """The floor of `miles.<package>.<module>...` when it sits below its package: MODULE_FLOORS places it there, or
+    it is the face of a GROUND_FACES package (`miles.rewards`, `miles.rewards.REWARD_TYPES`, not a submodule)."""
+    face = len(parts) >= 2 and parts[1] in GROUND_FACES
+    if face and (len(parts) == 2 or not _is_submodule(root / parts[1], parts[2])):
+        return 0
     own = MODULE_FLOORS.get(".".join(parts[1:3]))
     return None if own is None else _floor(own)
 
@@ -95,14 +109,14 @@ def upward_imports(layer: str, root: Path = MILES) -> list[str]:
     bad = []
     paths = [root / f"{layer}.py"] if layer in GROUND_MODULES else sorted((root / layer).rglob("*.py"))
     for path in paths:
-        mine = _module_floor(["miles", *path.relative_to(root).with_suffix("").parts])
+        mine = _module_floor(["miles", *path.relative_to(root).with_suffix("").parts], root)
         floor = _floor(layer) if mine is None else mine
         for line, module in _imports(path):
             parts = module.split(".")
             if parts[0] != "miles" or len(parts) < 2 or (parts[1] == layer and mine is None):
                 continue
             target = parts[1]
-            theirs = _module_floor(parts)
+            theirs = _module_floor(parts, root)
             if theirs is not None:
                 if theirs > floor:
                     bad.append(f"{path.relative_to(root.parent)}:{line} imports {'.'.join(parts[:3])}")
@@ -141,6 +155,24 @@ def test_a_table_below_its_package_is_checked_on_its_own_floor(tmp_path: Path) -
     (root / "data" / "d.py").write_text("from miles.builtin.names import N\nfrom miles.builtin.checkpoints import e\n")
     assert upward_imports("builtin", root) == ["miles/builtin/names.py:2 imports miles.models"]
     assert upward_imports("data", root) == ["miles/data/d.py:2 imports miles.builtin"]
+
+
+def test_a_ground_face_is_checked_on_the_ground_floor(tmp_path: Path) -> None:
+    root = tmp_path / "miles"
+    for package in ("rewards", "config"):
+        (root / package).mkdir(parents=True)
+    (root / "rewards" / "__init__.py").write_text(
+        "from miles.core.errors import E\nfrom miles.rewards.dispatch import f\n"
+    )
+    (root / "rewards" / "dispatch.py").write_text("from miles.config.catalog import F\nfrom miles.rollout import x\n")
+    (root / "config" / "c.py").write_text(
+        "from miles.rewards import REWARD_TYPES\nfrom miles.rewards import dispatch\n"
+    )
+    assert upward_imports("rewards", root) == [
+        "miles/rewards/__init__.py:2 imports miles.rewards",
+        "miles/rewards/dispatch.py:2 imports miles.rollout",
+    ]
+    assert upward_imports("config", root) == ["miles/config/c.py:2 imports miles.rewards"]
 
 
 def module_graph(root: Path = MILES) -> dict[str, set[str]]:

@@ -37,7 +37,7 @@ from miles.algorithms.sft_loss import (
     promote,
     sft_loss,
 )
-from miles.rollout.sde import shift_sigmas
+from miles.sampling.sde import shift_sigmas
 
 __all__ = [
     "add_noise",

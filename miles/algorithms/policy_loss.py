@@ -11,7 +11,7 @@ Per trained transition (one per sample, or one per sample and step when the inpu
 GRPO-Guard (`--diffusion-grpo-guard`) passes its normalised `log_ratio` for `log(ratio)` and a per-transition
 `weight` (`1/|dt|`) that multiplies `per` before the mean (`miles.algorithms.grpo_guard`).
 
-The log-probs are the per-sample *means* over the non-batch dims that `miles.rollout.sde.sde_step` returns, and
+The log-probs are the per-sample *means* over the non-batch dims that `miles.sampling.sde.sde_step` returns, and
 the KL divides by `std_dev_t**2` without the `|dt|` factor and averages over elements; both conventions come
 from flow_grpo and the tuned `eps` and `kl_beta` values depend on them. The exact Gaussian KL of the two step
 kernels is `kl * (C*H*W) / |dt|`.

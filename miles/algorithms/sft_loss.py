@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.rollout.sde import shift_sigmas
+from miles.sampling.sde import shift_sigmas
 
 Scalar = float | int | torch.Tensor
 

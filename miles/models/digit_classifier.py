@@ -1,5 +1,5 @@
 """The digit classifier the tiny builds fit and store, and the digit reward reads
-(`miles.rollout.rm_hub.digit`): which digit a generated image shows.
+(`miles.rewards.scorers.digit`): which digit a generated image shows.
 
 The classifier (an RBF SVC, temperature-calibrated, from scikit-learn) is fitted at tiny-model build
 time on the digits train split and stored in the checkpoint, `<ckpt>/digit_classifier/`:

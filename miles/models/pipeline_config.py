@@ -201,7 +201,7 @@ class TrainPipelineConfig(SglangAdapter):
             scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         return scheduler_schedule(scheduler)
 
-    # ---- the same schedule without torch (`miles.rollout.grid`: inspect-config and plan print it) ----------
+    # ---- the same schedule without torch (`miles.sampling.grid`: inspect-config and plan print it) ----------
     def grid_schedule(
         self,
         scheduler_config: Mapping[str, Any],
@@ -214,7 +214,7 @@ class TrainPipelineConfig(SglangAdapter):
         fill what it leaves out, as `from_pretrained` does). `token_count` is the image token count `schedule`
         reads from the latent shape (`grid_token_count`; a callable is asked only when a dynamic shift needs it).
 
-        A family that overrides `schedule` overrides this too (`miles.rollout.grid` refuses a family that does not).
+        A family that overrides `schedule` overrides this too (`miles.sampling.grid` refuses a family that does not).
         The base class sets a FlowMatchEuler scheduler as `schedule` does; other scheduler classes raise ValueError.
         """
         import numpy as np

@@ -1,5 +1,5 @@
 """The schedulers' sigma grids in numpy, torch- and diffusers-free: what `TrainPipelineConfig.grid_schedule` (and
-`miles.rollout.grid`) compute instead of `set_timesteps`, with diffusers 0.42.1's arithmetic (fp32 constructor
+`miles.sampling.grid`) compute instead of `set_timesteps`, with diffusers 0.42.1's arithmetic (fp32 constructor
 values, float64 spacing, the same shift expressions), so the grids are equal to the engines' to the last bit.
 """
 

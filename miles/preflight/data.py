@@ -1,8 +1,8 @@
 """Data files: the prompt data, the eval sets and SFT data, streamed line by line through the reader the runtime
-uses (`miles.rollout.prompt_file`), so a problem is the line the runtime would have stopped at, found first.
+uses (`miles.data.prompt_file`), so a problem is the line the runtime would have stopped at, found first.
 
 A prompt line must parse, carry a non-empty string at `--input-key` and an object (or nothing) at
-`--metadata-key`, and hold what its reward needs (`miles.rollout.rm_hub.dispatch.check_reward_inputs`: a digit
+`--metadata-key`, and hold what its reward needs (`miles.rewards.dispatch.check_reward_inputs`: a digit
 label, a quoted OCR target). An SFT row names its caption (a non-empty string) and an image (or video) file that
 exists; an image must decode (PIL's `verify`, a read of the file without decoding every pixel). Under a method whose
 `train sft` rows are preferences (offline DPO, the method table's `sft_rows`), a row names its caption and two
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
-from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields, url_problem
+from miles.data.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields, url_problem
 from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def reward_check(args: Any) -> LineCheck | None:
     if args.custom_rm_path:
         return None
     from miles.rewards import REWARD_TYPES, reward_names
-    from miles.rollout.rm_hub.dispatch import check_reward_inputs
+    from miles.rewards.dispatch import check_reward_inputs
 
     defaults = reward_names(args)
 

@@ -76,7 +76,7 @@ HOOKS: tuple[Hook, ...] = (
         "Class(args)",
         1,
         is_class=True,
-        base="miles.rollout.sde_backends:SdeStepBackend",
+        base="miles.sampling.sde_backends:SdeStepBackend",
     ),
 )
 GOLD_HOOK = Hook("gold_rm_type", "fn(args, samples)", 2)  # when it is a dotted path, not a built-in type

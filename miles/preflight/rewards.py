@@ -21,8 +21,8 @@ def check_remote_reward(resolved: ResolvedJob) -> list[str]:
     args = resolved.args
     if args.custom_rm_path or "remote_rm" not in reward_names(args) or args.train_only:
         return []
-    from miles.rollout.rm_hub.dispatch import RewardError
-    from miles.rollout.rm_hub.remote import check_remote
+    from miles.rewards.dispatch import RewardError
+    from miles.rewards.scorers.remote import check_remote
 
     probe = args
     if args.use_fault_tolerance:  # one quick look, no retry and no wait: the job itself waits for the service

@@ -1,1 +1,2 @@
-"""Rollout: engines, samplers, data sources, rewards (`rm_hub`) and the rollout manager."""
+"""Rollout: engines, samplers, data sources and the rollout manager (the rewards it scores with: `miles.rewards`; the
+sampling math the engines step with: `miles.sampling`)."""

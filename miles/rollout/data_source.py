@@ -1,7 +1,7 @@
 """Prompt data sources: the global data set with per-epoch shuffling, and the buffer.
 
 Prompt JSONL, one object per line (blank lines are skipped), read by the streaming reader of
-`miles.rollout.prompt_file` (re-exported here: `iter_jsonl_objects`, `load_prompt_jsonl`, `PromptRecord`):
+`miles.data.prompt_file` (re-exported here: `iter_jsonl_objects`, `load_prompt_jsonl`, `PromptRecord`):
     {"input": "a photo of a cat", "metadata": {"rm_type": "ocr"}}
 `--input-key` names the prompt (a required, non-empty string); `--metadata-key` names an optional dict.
 `--prompt-data` is a file path or a built-in data set name such as `digits:train`.
@@ -9,7 +9,7 @@ Prompt JSONL, one object per line (blank lines are skipped), read by the streami
 `get_samples(num_prompts)` returns `num_prompts` groups; a group is one prompt repeated
 `n_samples_per_prompt` times. `group_index` counts groups over the whole run (it survives epochs and
 resume), `index` is the sample's position in the returned batch, and `seed` follows the documented
-layout of `miles.rollout.seeds` (`seed_base(group_index) + j` for the j-th sample of a group).
+layout of `miles.sampling.seeds` (`seed_base(group_index) + j` for the j-th sample of a group).
 
 The order of the prompts is a fresh permutation every epoch, drawn from `(--seed, epoch)`, so it is
 deterministic, differs between epochs, and is reproduced exactly after `load_state_dict`.
@@ -33,11 +33,11 @@ import numpy as np
 
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
-from miles.rollout.prompt_file import MAX_LINE_BYTES as MAX_LINE_BYTES
-from miles.rollout.prompt_file import PromptRecord as PromptRecord
-from miles.rollout.prompt_file import iter_jsonl_objects as iter_jsonl_objects
-from miles.rollout.prompt_file import load_prompt_jsonl as load_prompt_jsonl
-from miles.rollout.seeds import group_sample_seeds
+from miles.data.prompt_file import MAX_LINE_BYTES as MAX_LINE_BYTES
+from miles.data.prompt_file import PromptRecord as PromptRecord
+from miles.data.prompt_file import iter_jsonl_objects as iter_jsonl_objects
+from miles.data.prompt_file import load_prompt_jsonl as load_prompt_jsonl
+from miles.sampling.seeds import group_sample_seeds
 from miles.utils.atomic import atomic_write_text
 from miles.utils.hooks import load_class, load_function
 

@@ -6,7 +6,7 @@ Datasets come from `--eval-prompt-data NAME PATH` (repeatable) or `--eval-config
 digit `label`, also `accuracy` (the digit classifier agrees with the prompt) and `fd` (Fréchet
 distance of classifier features against the real digits test split); for video samples both are per
 frame, and prompts whose metadata also holds a `direction` add `direction_acc` (the share of videos whose
-digit travels that way; `miles.rollout.rm_hub.digit_metrics.digit_eval_metrics`).
+digit travels that way; `miles.rewards.scorers.digit_metrics.digit_eval_metrics`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.rollout.data_source import load_prompt_jsonl, resolve_prompt_data
-from miles.rollout.seeds import group_sample_seeds
+from miles.sampling.seeds import group_sample_seeds
 
 EVAL_SEED_OFFSET = 1_000_003  # eval seeds never collide with the training layout's first groups
 
@@ -102,7 +102,7 @@ class _RowKeys:
 
 def _text(value: Any, key: str, where: str) -> str:
     """A dataset's name or path: a non-empty string (a YAML number is taken as its text)."""
-    from miles.rollout.prompt_file import kind
+    from miles.data.prompt_file import kind
 
     what = "prompt JSONL file (or a built-in data set)" if key == "path" else "name (metrics: eval/<name>/...)"
     if value is None:
@@ -178,7 +178,7 @@ def eval_metrics(args: Any, name: str, samples: list[Sample]) -> dict[str, float
     out.update({k.replace("/raw_", "/reward_"): v for k, v in component_metrics(f"eval/{name}", samples).items()})
     labelled = [s for s in samples if isinstance(s.metadata.get("label"), int)]
     if labelled and len(labelled) == len(samples):
-        from miles.rollout.rm_hub.digit_metrics import digit_eval_metrics
+        from miles.rewards.scorers.digit_metrics import digit_eval_metrics
 
         metrics = digit_eval_metrics([s.image for s in samples], [s.metadata for s in samples], _classifier_for(args))
         out.update({f"eval/{name}/{key}": float(value) for key, value in metrics.items()})
@@ -187,7 +187,7 @@ def eval_metrics(args: Any, name: str, samples: list[Sample]) -> dict[str, float
 
 def _classifier_for(args: Any) -> Any:
     from miles.core.inputs import input_path
-    from miles.rollout.rm_hub.digit import CLASSIFIER_DIRNAME, load_digit_classifier
+    from miles.rewards.scorers.digit import CLASSIFIER_DIRNAME, load_digit_classifier
 
     own = input_path(args, args.hf_checkpoint) / CLASSIFIER_DIRNAME
     return load_digit_classifier(own if own.is_dir() else None)

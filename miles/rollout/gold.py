@@ -35,7 +35,7 @@ class GoldArgs:
 
 def gold_rewards(args: Any, samples: list[Sample]) -> list[float]:
     """The gold reward of each sample (scalar; a dict reward is read at `--gold-reward-key`)."""
-    from miles.rollout.rm_hub.dispatch import batched_async_rm
+    from miles.rewards.dispatch import batched_async_rm
 
     view = GoldArgs(args)
     copies = []

@@ -19,7 +19,7 @@ from miles.rollout import rollout_hooks
 from miles.rollout.data_source import load_data_source
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.rollout_batch import PREVIEW_SAMPLES, RolloutBatch  # noqa: F401 (imported from here)
-from miles.rollout.step_strategy_hub import resolve_step_strategy, select_steps
+from miles.sampling.step_strategies import resolve_step_strategy, select_steps
 from miles.utils.buckets import chunk_state_dict
 
 
@@ -152,7 +152,7 @@ class RolloutManager:
 
     def _make_reward_pools(self) -> None:
         """Ray actor pools for the model-backed rewards in use (OCR, PickScore); cheap ones score in-process."""
-        from miles.rollout.rm_hub.pool import POOLED_RM_TYPES, make_reward_pools, reward_types_in_use
+        from miles.rewards.pool import POOLED_RM_TYPES, make_reward_pools, reward_types_in_use
 
         source = self.data_source if self.args.prompt_data else None
         metadata = [record.metadata for record in getattr(source, "dataset", [])]
@@ -216,7 +216,7 @@ class RolloutManager:
     def placement_info(self) -> dict[str, list[dict[str, Any]]]:
         """What each engine and GPU reward worker sees of its placement (node, Ray GPU ids,
         CUDA_VISIBLE_DEVICES, device): {"engine": [...], "reward": [...]}, in slot order."""
-        from miles.rollout.rm_hub.dispatch import get_reward_pools
+        from miles.rewards.dispatch import get_reward_pools
 
         if self.sglang is not None:
             engines = self.sglang.placement_info()
@@ -327,9 +327,9 @@ class RolloutManager:
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self, rollout_id: int = 0) -> tuple[dict[str, float], dict[str, list[Sample]]]:
         """Generate and score every eval dataset (ODE, no trajectories): metrics and the samples by name."""
+        from miles.rewards.dispatch import score_samples
         from miles.rollout.evaluation import eval_datasets, eval_groups, eval_metrics
         from miles.rollout.gold import gold_metrics
-        from miles.rollout.rm_hub.dispatch import score_samples
 
         metrics: dict[str, float] = {}
         by_name: dict[str, list[Sample]] = {}
@@ -411,11 +411,11 @@ class RolloutManager:
         return [sample for k in range(len(refs)) for sample in done[k]]
 
     def generate(self, rollout_id: int) -> RolloutBatch:
+        from miles.rewards.dispatch import score_groups, score_samples
         from miles.rollout.advantages import post_process_rewards
         from miles.rollout.diversity import intra_group_diversity
         from miles.rollout.filter_hub import apply_dynamic_filter, apply_sample_filter
         from miles.rollout.reward_metrics import component_metrics
-        from miles.rollout.rm_hub.dispatch import score_groups, score_samples
 
         args = self.args
         start = time.perf_counter()

@@ -35,7 +35,7 @@ class StreamingScorer:
 
     def submit(self, samples: Sequence[Sample]) -> None:
         """Start scoring `samples` (those with no reward yet); returns at once."""
-        from miles.rollout.rm_hub.dispatch import score_samples
+        from miles.rewards.dispatch import score_samples
 
         todo = [s for s in samples if s.reward is None]
         if todo:

@@ -33,7 +33,7 @@ ONE_LINE_ERRORS = (
     "miles.core.errors.EngineFailure",
     "miles.rollout.engines.supervisor.DiffusersEngineError",
     "miles.rollout.engines.sglang.rollout.RolloutEngineError",
-    "miles.rollout.rm_hub.errors.RewardError",
+    "miles.rewards.errors.RewardError",
     "miles.utils.deadline.HookTimeout",
     "miles.utils.disk.DiskFull",
 )

@@ -76,7 +76,7 @@ def critic_metrics(metrics: dict[str, float]) -> dict[str, float]:
 def run(resolved: ResolvedJob) -> int:
     import ray
 
-    from miles.rollout.dmd2_manager import manager_actor_class
+    from miles.rollout.dmd2.manager import manager_actor_class
     from miles.runtime.trainer_group import TrainerGroup
 
     args = resolved.trainer_args["actor"]
@@ -126,7 +126,7 @@ def run_iteration(args: Any, manager: Any, critic: Any, actor: Any, it: int, pha
     import ray
 
     from miles.algorithms.dmd2 import is_generator_step
-    from miles.rollout.dmd2_sampler import stop_step
+    from miles.rollout.dmd2.sampler import stop_step
 
     phases = phases or Phases.disabled()
     t0 = time.perf_counter()

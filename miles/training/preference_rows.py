@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.core.errors import ConfigError
-from miles.rollout.prompt_file import iter_jsonl_objects, kind, show_keys, text_field
+from miles.data.prompt_file import iter_jsonl_objects, kind, show_keys, text_field
 
 
 def preference_keys(args: Any) -> tuple[tuple[str, str], tuple[str, str], tuple[str, str]]:

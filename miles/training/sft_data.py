@@ -20,8 +20,8 @@ import torch
 
 from miles.core.errors import ConfigError
 from miles.core.sample import Conditions, Sample
+from miles.data.prompt_file import check_sft_row, iter_jsonl_objects
 from miles.models.pipeline_config import prompt_geometry
-from miles.rollout.prompt_file import check_sft_row, iter_jsonl_objects
 
 SFT_CFG_DROPOUT = 0.1
 

@@ -10,7 +10,7 @@ import torch
 
 from miles.algorithms.grpo_guard import ratio_bias, ratio_norm_log_ratio, step_weight
 from miles.algorithms.policy_loss import policy_loss
-from miles.rollout.sde import sd3_sigmas, sde_step
+from miles.sampling.sde import sd3_sigmas, sde_step
 
 LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 

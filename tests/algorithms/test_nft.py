@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.algorithms.nft import nft_corrupt, nft_loss, nft_optimality, nft_timesteps
-from miles.rollout.sde import sd3_sigmas
+from miles.sampling.sde import sd3_sigmas
 
 C = 5.0
 D = torch.float64

@@ -9,7 +9,7 @@ import torch
 from torch.distributions import Normal, kl_divergence
 
 from miles.algorithms.policy_loss import clamp_advantages, flow_grpo_kl, policy_loss
-from miles.rollout.sde import sd3_sigmas, sde_step
+from miles.sampling.sde import sd3_sigmas, sde_step
 
 EPS = 1e-4
 SIGMAS = sd3_sigmas(10, shift=3.0).double()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.algorithms.sft_loss import flow_matching_target, noisy_latents, sample_sigmas, sft_loss
-from miles.rollout.sde import sd3_sigmas, shift_sigmas
+from miles.sampling.sde import sd3_sigmas, shift_sigmas
 
 D = torch.float64
 

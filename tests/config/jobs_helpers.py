@@ -21,7 +21,7 @@ BASE: dict[str, Any] = {
     "num_gpus_per_node": 1,
 }
 EVAL_DATA = {"eval_prompt_data": ["digits=test.jsonl"]}
-STRATEGY = "miles.rollout.step_strategy_hub."
+STRATEGY = "miles.sampling.step_strategies."
 DROP = object()  # a value meaning "leave this flag off the command line"
 
 

@@ -19,7 +19,7 @@ from miles.config.layering import load_config_file
 from miles.config.recipes import shipped_recipes
 from miles.config.resolve import ResolvedJob, resolve
 from miles.core.errors import ConfigError
-from miles.rollout.trained_steps import trained_steps, trains_sde_steps
+from miles.sampling.trained_steps import trained_steps, trains_sde_steps
 
 RECIPES = shipped_recipes()
 GPU_RECIPES = sorted(name for name in RECIPES if not name.startswith("tiny-"))
@@ -129,7 +129,7 @@ def test_a_two_expert_recipe_that_trains_one_expert_only_is_caught(tmp_path: Pat
         "wan22-pickscore-grpo",
         diffusion_num_steps=20,
         diffusion_flow_shift=None,
-        diffusion_step_strategy_path="miles.rollout.step_strategy_hub.sde_window",
+        diffusion_step_strategy_path="miles.sampling.step_strategies.sde_window",
         diffusion_num_sde_steps=2,
         diffusion_sde_candidate_steps=None,
         diffusion_sde_window_range="1,4",

@@ -25,7 +25,7 @@ METHODS = {
         "--diffusion-grpo-guard", "--diffusion-clip-range", "4e-3",
     ],
     "mixgrpo-flash": [
-        "--diffusion-step-strategy-path", "miles.rollout.step_strategy_hub.mix_grpo_window",
+        "--diffusion-step-strategy-path", "miles.sampling.step_strategies.mix_grpo_window",
         "--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,5", "--diffusion-sde-window-interval",
         "1", "--diffusion-shared-prefix",
         "--diffusion-ode-solver", "dpmpp_2m", "--diffusion-post-sde-steps-ratio", "0.4",

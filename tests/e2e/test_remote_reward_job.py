@@ -28,7 +28,7 @@ SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,6
 REWARDS = '''
 import os
 
-from miles.rollout.rm_hub.dispatch import batched_async_rm
+from miles.rewards.dispatch import batched_async_rm
 
 
 class _Digit:

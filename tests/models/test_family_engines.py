@@ -16,7 +16,7 @@ import torch
 from miles.config.resolve import resolve
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
-from miles.rollout.sde import sde_step
+from miles.sampling.sde import sde_step
 from miles.training.pairs import stack_conditions
 
 pytestmark = pytest.mark.slow
@@ -171,7 +171,7 @@ def test_schedule_is_the_pipelines(case) -> None:
 
 def test_flow_shift_replaces_the_dynamic_shift(tiny_flux_dir: Path) -> None:
     from miles.models.families import get_family
-    from miles.rollout.sde import sd3_sigmas
+    from miles.sampling.sde import sd3_sigmas
 
     family = get_family("flux")
     from diffusers import FlowMatchEulerDiscreteScheduler

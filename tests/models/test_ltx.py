@@ -21,7 +21,7 @@ from miles.models.ltx.tiny import LATENT_CHANNELS as CV
 from miles.models.ltx.tiny import LATENT_SIZE as LS
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
-from miles.rollout.sde import sde_step
+from miles.sampling.sde import sde_step
 from miles.training.pairs import stack_conditions
 
 pytestmark = pytest.mark.slow
@@ -207,7 +207,7 @@ def test_the_trainer_replays_the_rollout_exactly_and_trains(tiny_ltx2_dir: Path,
     # the reference's LTX step strategy (SDE steps shared by every sample) and a micro-batch that is the rollout's
     # microgroup at one step: the trainer's forward is then the engine's own batch, bit for bit
     replay = {
-        "diffusion_step_strategy_path": "miles.rollout.step_strategy_hub.epoch_global_random_choice",
+        "diffusion_step_strategy_path": "miles.sampling.step_strategies.epoch_global_random_choice",
         "diffusion_sde_candidate_steps": "0,1,2,3,4",
         "micro_batch_size_sample": 2,
         "micro_batch_size_tstep": 1,

@@ -49,7 +49,7 @@ def test_ltx_resolves_by_name_and_is_trainable() -> None:
     [
         ({"diffusion_guidance_scale": 4.0}, "trains unguided"),
         ({"diffusion_negative_prompt": "blurry"}, "takes no negative prompt"),
-        ({"sde_step_backend_path": "miles.rollout.sde_backends.CpsSdeStepBackend"}, "custom backend"),
+        ({"sde_step_backend_path": "miles.sampling.sde_backends.CpsSdeStepBackend"}, "custom backend"),
         (
             {"loss_type": "nft", "use_ema": True, "diffusion_sde_type": "ode", "diffusion_noise_level": 0.0},
             "Flow-GRPO",

@@ -248,7 +248,7 @@ def test_default_build_fits_the_vae_and_is_deterministic(tiny_flux_dir, fast_flu
 
     from miles.data.digits import load_digits_split
     from miles.models.tiny.vae_fit import VAE_STEPS, digits_to_vae_input
-    from miles.rollout.rm_hub.digit import read_classifier_metadata
+    from miles.rewards.scorers.digit import read_classifier_metadata
 
     assert tiny_flux_dir == miles_session_home / "models" / "tiny-flux"
     meta = read_metadata(tiny_flux_dir)

@@ -80,7 +80,7 @@ def test_vae_reconstructs_digits(tiny_sd3_pipeline, digits_split, digit_classifi
     import torch
 
     from miles.models.tiny.vae_fit import digits_to_vae_input
-    from miles.rollout.rm_hub.digit_metrics import digit_accuracy
+    from miles.rewards.scorers.digit_metrics import digit_accuracy
 
     vae = tiny_sd3_pipeline.vae
     x = digits_to_vae_input(digits_split.test_x[:96])
@@ -222,7 +222,7 @@ def test_models_cli(tiny_sd3_dir, tmp_path, monkeypatch):
 
 
 def test_classifier_accuracy_recomputed(tiny_sd3_dir, digit_classifier, digits_split):
-    from miles.rollout.rm_hub.digit import digits_to_features, read_classifier_metadata
+    from miles.rewards.scorers.digit import digits_to_features, read_classifier_metadata
 
     pred = digit_classifier.predict(digits_to_features(digits_split.test_x))
     acc = float(np.mean(pred == digits_split.test_y))

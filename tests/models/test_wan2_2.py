@@ -16,7 +16,7 @@ import torch
 from miles.config.resolve import resolve
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
-from miles.rollout.sde import sde_step
+from miles.sampling.sde import sde_step
 from miles.training.pairs import stack_conditions
 
 pytestmark = pytest.mark.slow
@@ -203,7 +203,7 @@ def test_one_expert_trains_and_syncs_the_other_stays_bit_identical(tiny_wan2_2_d
 
 def test_confined_steps_refuse_a_window_outside_the_trained_expert(tiny_wan2_2_dir: Path) -> None:
     from miles.rollout.manager import trained_expert_steps
-    from miles.rollout.step_strategy_hub import select_steps
+    from miles.sampling.step_strategies import select_steps
 
     args = _args(tiny_wan2_2_dir, update_weight_target_module="transformer_2")
     assert trained_expert_steps(args, 6) == [4, 5]

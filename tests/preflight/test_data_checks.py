@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from preflight_helpers import Job, digit_prompts, write_lines
 
+from miles.data.prompt_file import MAX_LINE_BYTES, iter_jsonl_objects, load_prompt_jsonl
 from miles.preflight import find_problems
-from miles.rollout.prompt_file import MAX_LINE_BYTES, iter_jsonl_objects, load_prompt_jsonl
 
 
 def test_broken_json_on_line_3(job: Job, tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_a_lone_surrogate_is_refused_with_its_line_in_every_file_kind(job: Job, 
     """JSON's \\udc80 escape decodes to a string no later write can encode (logs, metrics, the tokenizer): the
     shared reader refuses it with file:line for prompt data, SFT rows and preference data alike."""
     from miles.core.errors import ConfigError
-    from miles.rollout.prompt_file import iter_jsonl_objects
+    from miles.data.prompt_file import iter_jsonl_objects
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"input": "ok", "metadata": {"label": 1}}\n{"input": "bad \\udc80 text"}\n')

@@ -93,11 +93,11 @@ def test_a_class_hook_must_be_a_class(job: Job, user_module: str) -> None:
 
 def test_miles_paths_are_read_without_importing_them(job: Job) -> None:
     before = set(sys.modules)
-    assert check_hooks(job("rl")) == []  # the recipe's miles.rollout.step_strategy_hub.sde_window
-    assert "miles.rollout.step_strategy_hub" not in set(sys.modules) - before
-    assert check_hooks(job("rl", diffusion_step_strategy_path="miles.rollout.step_strategy_hub.sde_windw")) == [
-        "--diffusion-step-strategy-path 'miles.rollout.step_strategy_hub.sde_windw': "
-        "'miles.rollout.step_strategy_hub' has no attribute 'sde_windw'; expected fn(args, sample, num_steps, seed)"
+    assert check_hooks(job("rl")) == []  # the recipe's miles.sampling.step_strategies.sde_window
+    assert "miles.sampling.step_strategies" not in set(sys.modules) - before
+    assert check_hooks(job("rl", diffusion_step_strategy_path="miles.sampling.step_strategies.sde_windw")) == [
+        "--diffusion-step-strategy-path 'miles.sampling.step_strategies.sde_windw': "
+        "'miles.sampling.step_strategies' has no attribute 'sde_windw'; expected fn(args, sample, num_steps, seed)"
     ]
 
 
@@ -191,8 +191,8 @@ def test_an_import_that_hangs_is_refused_at_the_deadline(
 # ---- miles paths bound by assignment ----------------------------------------------------------------------------
 def test_a_miles_constant_is_not_a_function(job: Job) -> None:
     """`MAX_LINE_BYTES = 1 << 20`: an expression, so the (torch-free) module is imported to tell."""
-    assert check_hooks(job("rl", custom_rm_path="miles.rollout.prompt_file.MAX_LINE_BYTES")) == [
-        "--custom-rm-path 'miles.rollout.prompt_file.MAX_LINE_BYTES': names a int, not a function; "
+    assert check_hooks(job("rl", custom_rm_path="miles.data.prompt_file.MAX_LINE_BYTES")) == [
+        "--custom-rm-path 'miles.data.prompt_file.MAX_LINE_BYTES': names a int, not a function; "
         "expected fn(args, samples)"
     ]
 

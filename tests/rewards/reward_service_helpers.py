@@ -116,7 +116,7 @@ class ServiceProcess:
 
 
 def main() -> None:
-    from miles.rollout.rm_hub.service.server import run_service
+    from miles.rewards.service.server import run_service
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)

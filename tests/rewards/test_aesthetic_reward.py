@@ -1,4 +1,4 @@
-"""The LAION aesthetic reward (`rm_hub.aesthetic`): the session's tiny random CLIP plus a random MLP head saved by
+"""The LAION aesthetic reward (`scorers.aesthetic`): the session's tiny random CLIP plus a random MLP head saved by
 the test with `torch.save` in the published `sac+logos+ava1-l14-linearMSE.pth` layout (`layers.{0,2,4,6,7}.*`,
 input width = the CLIP projection width), checked against `MLP(e / ||e||)` computed by hand."""
 
@@ -15,8 +15,8 @@ from reward_helpers import linear, noise_image, normalized, random_tensors, to_u
 
 from miles.config.resolution import schema_args
 from miles.core.sample import Sample
-from miles.rollout.rm_hub.aesthetic import load_aesthetic
-from miles.rollout.rm_hub.dispatch import batched_async_rm
+from miles.rewards.dispatch import batched_async_rm
+from miles.rewards.scorers.aesthetic import load_aesthetic
 
 HIDDEN = (1024, 128, 64, 16, 1)
 

@@ -1,4 +1,4 @@
-"""The CLIP-score reward (`rm_hub.clip_score`) on a tiny random CLIP built offline (the session's `tiny_clip`: a
+"""The CLIP-score reward (`scorers.clip_score`) on a tiny random CLIP built offline (the session's `tiny_clip`: a
 random `CLIPModel` and a `CLIPProcessor` whose BPE tokenizer is laid out from a small corpus), checked against the
 formula `scale * max(cos(image, text), 0)` computed by hand; plus the shared frame/chunk plumbing and the
 torchvision-free eval transform the other scorers use."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from reward_helpers import eval_pixels, noise_image, normalized, to_uint8
 
-from miles.rollout.rm_hub.clip_score import CLIP_SCORE_SCALE, clip_pixels, load_clip_score, resize_center_crop
+from miles.rewards.scorers.clip_score import CLIP_SCORE_SCALE, clip_pixels, load_clip_score, resize_center_crop
 
 # with the tiny random CLIP, three positive cosines and two negative ones (clamped to 0): both branches are checked
 PROMPTS = ["the number 1", "a photo of a cat", "the number 4", "a handwritten digit 3", "the number six"]

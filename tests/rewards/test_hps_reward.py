@@ -1,4 +1,4 @@
-"""The HPSv2 reward (`rm_hub.hps`): a tiny open_clip-format checkpoint written by hand (random tensors under
+"""The HPSv2 reward (`scorers.hps`): a tiny open_clip-format checkpoint written by hand (random tensors under
 open_clip's key names, saved under "state_dict" with DDP's "module." prefix), loaded through the key converter into a
 transformers `CLIPModel`, and checked against open_clip's forward written out in plain torch: cos(image, text)."""
 
@@ -13,8 +13,8 @@ from reward_helpers import attention, eval_pixels, gelu, layer_norm, linear, noi
 
 from miles.config.resolution import schema_args
 from miles.core.sample import Sample
-from miles.rollout.rm_hub.dispatch import batched_async_rm
-from miles.rollout.rm_hub.hps import default_text_heads, default_vision_heads, load_hps, open_clip_to_hf
+from miles.rewards.dispatch import batched_async_rm
+from miles.rewards.scorers.hps import default_text_heads, default_vision_heads, load_hps, open_clip_to_hf
 
 VISION_WIDTH, TEXT_WIDTH, EMBED, PATCH, GRID, LAYERS, MLP, CONTEXT = 128, 128, 32, 8, 4, 2, 256, 77
 HEADS = 2  # 128 / 64: open_clip's head width 64, the converter's default for these widths

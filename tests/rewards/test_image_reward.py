@@ -1,4 +1,4 @@
-"""The ImageReward v1.0 reward (`rm_hub.image_reward`): a tiny checkpoint in ImageReward.pt's layout written by hand
+"""The ImageReward v1.0 reward (`scorers.image_reward`): a tiny checkpoint in ImageReward.pt's layout written by hand
 (random tensors under BLIP's `blip.visual_encoder.*` / `blip.text_encoder.*` names plus the `mlp.layers.*` head and the
 unused `vision_proj`/`text_proj`), loaded into transformers' BLIP classes, and checked against BLIP's forward written
 out in plain torch (timm-style ViT; med.py BERT with cross-attention; [CLS] -> MLP -> (x - mean) / std)."""
@@ -14,8 +14,8 @@ from reward_helpers import attention, eval_pixels, gelu, layer_norm, linear, noi
 
 from miles.config.resolution import schema_args
 from miles.core.sample import Sample
-from miles.rollout.rm_hub.dispatch import batched_async_rm
-from miles.rollout.rm_hub.image_reward import (
+from miles.rewards.dispatch import batched_async_rm
+from miles.rewards.scorers.image_reward import (
     IMAGE_REWARD_MEAN,
     IMAGE_REWARD_STD,
     image_reward_to_hf,

@@ -17,7 +17,7 @@ from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.preflight import find_problems
 from miles.rewards import REWARD_TYPES
-from miles.rollout.rm_hub.dispatch import batched_async_rm
+from miles.rewards.dispatch import batched_async_rm
 
 JOB = {
     "hf_checkpoint": "tiny-sd3",
@@ -164,7 +164,7 @@ def test_inspect_config_resolves_each_preference_job(
 
 
 def test_dispatch_scores_clip_score_with_its_scorer_tiny_random_weights(tiny_clip: tuple[str, str]) -> None:
-    from miles.rollout.rm_hub.clip_score import CLIP_SCORE_SCALE, load_clip_score
+    from miles.rewards.scorers.clip_score import CLIP_SCORE_SCALE, load_clip_score
 
     model_dir, processor_dir = tiny_clip
     args = schema_args(
@@ -178,9 +178,9 @@ def test_dispatch_scores_clip_score_with_its_scorer_tiny_random_weights(tiny_cli
 
 
 def test_clip_score_and_jpeg_weighted_in_one_job_tiny_random_weights(tiny_clip: tuple[str, str]) -> None:
-    from miles.rollout.rm_hub.clip_score import load_clip_score
-    from miles.rollout.rm_hub.dispatch import score_samples
-    from miles.rollout.rm_hub.jpeg import jpeg_incompressibility
+    from miles.rewards.dispatch import score_samples
+    from miles.rewards.scorers.clip_score import load_clip_score
+    from miles.rewards.scorers.jpeg import jpeg_incompressibility
 
     model_dir, processor_dir = tiny_clip
     args = schema_args(
@@ -200,7 +200,7 @@ def test_clip_score_and_jpeg_weighted_in_one_job_tiny_random_weights(tiny_clip: 
 
 
 def test_a_video_sample_reaches_the_model_frames_first(tiny_clip: tuple[str, str]) -> None:
-    from miles.rollout.rm_hub.clip_score import load_clip_score
+    from miles.rewards.scorers.clip_score import load_clip_score
 
     model_dir, processor_dir = tiny_clip
     args = schema_args(
@@ -216,7 +216,7 @@ def test_a_video_sample_reaches_the_model_frames_first(tiny_clip: tuple[str, str
 def test_clip_score_scale_scales_the_dispatched_score_tiny_random_weights(tiny_clip: tuple[str, str]) -> None:
     """--clip-score-scale: the dispatched score is scale x max(cos, 0), so twice the scale gives twice the score,
     as `load_clip_score` with the same scale does."""
-    from miles.rollout.rm_hub.clip_score import load_clip_score
+    from miles.rewards.scorers.clip_score import load_clip_score
 
     model_dir, processor_dir = tiny_clip
     prompts = ["the number 1", "a photo of a cat", "the number 4"]  # cosines > 0, < 0, > 0 with the tiny CLIP

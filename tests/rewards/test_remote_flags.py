@@ -16,9 +16,9 @@ from miles.config.resolve import resolve
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.preflight import find_problems
-from miles.rollout.rm_hub.dispatch import RewardError, batched_async_rm, score_items
-from miles.rollout.rm_hub.remote import _CLIENTS
-from miles.rollout.rm_hub.service.server import make_app
+from miles.rewards.dispatch import RewardError, batched_async_rm, score_items
+from miles.rewards.scorers.remote import _CLIENTS
+from miles.rewards.service.server import make_app
 
 JOB = {
     "hf_checkpoint": "tiny-sd3",
@@ -130,7 +130,7 @@ def test_the_preflight_looks_at_the_service_before_the_job_starts(service) -> No
 
 @pytest.mark.slow
 def test_a_service_that_comes_back_is_waited_for_under_fault_tolerance() -> None:
-    from miles.rollout.rm_hub.service.server import run_service
+    from miles.rewards.service.server import run_service
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""The reward service (`miles.rollout.rm_hub.service`): the wire format, a real server on loopback (in a thread,
+"""The reward service (`miles.rewards.service`): the wire format, a real server on loopback (in a thread,
 or in a subprocess where a test kills it) and the client's batching, retries and fault tolerance.
 
 Remote rewards are compared with in-process `score_items` results for exact (bit-identical) equality."""
@@ -33,9 +33,9 @@ from reward_service_helpers import (
 )
 
 from miles.core.errors import ConfigError
-from miles.rollout.rm_hub.dispatch import RewardError, RewardSettings, build_scorer, score_items
-from miles.rollout.rm_hub.service.client import RemoteRewardClient
-from miles.rollout.rm_hub.service.protocol import (
+from miles.rewards.dispatch import RewardError, RewardSettings, build_scorer, score_items
+from miles.rewards.service.client import RemoteRewardClient
+from miles.rewards.service.protocol import (
     JSON,
     MSGPACK,
     PROTOCOL_VERSION,
@@ -44,7 +44,7 @@ from miles.rollout.rm_hub.service.protocol import (
     encode_request,
     encode_response,
 )
-from miles.rollout.rm_hub.service.server import BATCHERS, builtin_scorers, make_app, serve
+from miles.rewards.service.server import BATCHERS, builtin_scorers, make_app, serve
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def test_remote_equals_in_process_for_jpeg_compressibility(service) -> None:
 
 @pytest.mark.slow
 def test_digit_reward_is_bit_identical_remotely_for_float_images(service, tmp_path: Path) -> None:
-    """The digit reward reads every image on the 8-bit grid (`dispatch.on_8_bits`), so a float image off the grid,
+    """The digit reward reads every image on the 8-bit grid (`scorers.digit.on_8_bits`), so a float image off the grid,
     quantised to a PNG on the wire, scores bit-identically remotely; uint8 images too."""
     from miles.data.digits import load_digits_split
     from miles.models.digit_classifier import CLASSIFIER_DIRNAME, fit_digit_classifier, save_digit_classifier
@@ -479,8 +479,8 @@ def test_serve_refuses_an_unknown_reward() -> None:
 def test_serve_announces_itself_and_stops_on_sigterm(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     code = (
-        "from miles.rollout.rm_hub.dispatch import RewardSettings\n"
-        "from miles.rollout.rm_hub.service.server import serve\n"
+        "from miles.rewards.dispatch import RewardSettings\n"
+        "from miles.rewards.service.server import serve\n"
         f"serve(RewardSettings(), ['jpeg_compressibility', 'jpeg_incompressibility'], '127.0.0.1', 0, "
         f"ready_file={str(ready)!r})\n"
     )

@@ -1,4 +1,4 @@
-"""The VLM-judge reward (`rm_hub.vlm_judge`) against a fake VLM: a real aiohttp server on loopback (in a thread) that
+"""The VLM-judge reward (`scorers.vlm_judge`) against a fake VLM: a real aiohttp server on loopback (in a thread) that
 plays the OpenAI chat-completions endpoint of an sglang/vLLM server. It decodes the PNG of each request and answers
 from its pixels, so the tests check the request's shape, the PNG round trip, the parsing and normalisation, retries
 (after a 500 and a refused connection), the concurrency cap and the errors (unparseable or out-of-range answers,
@@ -21,10 +21,10 @@ from aiohttp import web
 
 from miles.config.resolution import schema_args
 from miles.core.sample import Sample
-from miles.rollout.rm_hub.dispatch import batched_async_rm, score_samples
-from miles.rollout.rm_hub.errors import RewardError
-from miles.rollout.rm_hub.jpeg import image_to_uint8
-from miles.rollout.rm_hub.vlm_judge import (
+from miles.rewards.dispatch import batched_async_rm, score_samples
+from miles.rewards.errors import RewardError
+from miles.rewards.scorers.jpeg import image_to_uint8
+from miles.rewards.scorers.vlm_judge import (
     DEFAULT_PROMPT_TEMPLATE,
     VlmJudge,
     chat_endpoint,

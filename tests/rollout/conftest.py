@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from router_helpers import Backend, LoopThread
 
-from miles.rollout.router import MilesRouter, RouterConfig
+from miles.rollout.engines.sglang.router import MilesRouter, RouterConfig
 
 
 @pytest.fixture(scope="module")

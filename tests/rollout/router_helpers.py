@@ -11,7 +11,7 @@ from collections.abc import Callable
 import requests
 from aiohttp import web
 
-from miles.rollout.router import MilesRouter
+from miles.rollout.engines.sglang.router import MilesRouter
 
 GENERATE = "/rollout/generate"
 

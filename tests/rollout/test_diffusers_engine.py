@@ -10,7 +10,7 @@ import torch
 from miles.config.resolve import resolve
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
-from miles.rollout.sde import sde_step
+from miles.sampling.sde import sde_step
 
 pytestmark = pytest.mark.slow
 

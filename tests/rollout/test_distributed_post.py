@@ -22,7 +22,7 @@ from aiohttp import web
 
 from miles.config.resolution import schema_args
 from miles.rollout.engines.sglang.posting import DistributedPoster, LocalPoster, PostReply, make_poster
-from miles.rollout.router import MilesRouter, RouterConfig
+from miles.rollout.engines.sglang.router import MilesRouter, RouterConfig
 from miles.utils.sglang_env import ACTORS_PER_NODE_VAR
 
 PATH = "/rollout/generate"

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from miles.config.resolve import resolve
-from miles.rollout.dmd2_engine import few_step_request
+from miles.rollout.dmd2.engine import few_step_request
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
-from miles.rollout.seeds import cpu_generator
+from miles.sampling.seeds import cpu_generator
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.config.resolve import resolve
-from miles.rollout.dmd2_sampler import backward_simulate, few_step_sample, stop_step, student_sigmas, x0_at
+from miles.rollout.dmd2.sampler import backward_simulate, few_step_sample, stop_step, student_sigmas, x0_at
 
 STEPS = [999, 749, 499, 249]
 

@@ -32,8 +32,8 @@ from miles.rollout.engines.sglang.recovery import (
     EngineRecovery,
     unreachable_line,
 )
+from miles.rollout.engines.sglang.router import MilesRouter, RouterConfig
 from miles.rollout.engines.sglang.server import ServerSpec, free_port
-from miles.rollout.router import MilesRouter, RouterConfig
 from miles.utils.net import (
     advertised_host,
     host_of,

@@ -12,8 +12,8 @@ import torch
 from miles.config.resolve import resolve
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
-from miles.rollout.ode_solvers import compress_after, data_prediction, dpmpp_2m_step
-from miles.rollout.sde import sde_step
+from miles.sampling.ode_solvers import compress_after, data_prediction, dpmpp_2m_step
+from miles.sampling.sde import sde_step
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import torch
 from miles.config.resolve import resolve
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
-from miles.rollout.sde import sde_step
-from miles.rollout.seeds import draw_normal, generator_device, noise_generator
+from miles.sampling.sde import sde_step
+from miles.sampling.seeds import draw_normal, generator_device, noise_generator
 
 SEEDS = [21, 22]
 SDE_STEP = 1

@@ -9,8 +9,8 @@ import torch
 
 from miles.config.resolution import schema_args
 from miles.core.sample import Sample
+from miles.rewards.dispatch import batched_async_rm
 from miles.rollout.gold import gold_metrics, gold_rewards
-from miles.rollout.rm_hub.dispatch import batched_async_rm
 
 
 def samples(n: int = 4, rm_type: str | None = "jpeg_compressibility") -> list[Sample]:

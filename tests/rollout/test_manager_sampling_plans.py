@@ -9,7 +9,7 @@ import pytest
 
 from miles.config.resolve import resolve
 from miles.rollout.manager import RolloutManager, build_requests
-from miles.rollout.step_strategy_hub import resolve_step_strategy
+from miles.sampling.step_strategies import resolve_step_strategy
 
 CLI = {
     "rollout_batch_size": 2,
@@ -21,7 +21,7 @@ CLI = {
     "diffusion_num_sde_steps": 2,
     "diffusion_sde_window_range": "0,5",
 }
-MIX = "miles.rollout.step_strategy_hub.mix_grpo_window"
+MIX = "miles.sampling.step_strategies.mix_grpo_window"
 
 
 def job(checkpoint: str = "tiny-sd3", **cli):
@@ -30,7 +30,7 @@ def job(checkpoint: str = "tiny-sd3", **cli):
 
 def groups_of(args, n_groups: int = 2):
     from miles.core.sample import Sample
-    from miles.rollout.seeds import group_sample_seeds
+    from miles.sampling.seeds import group_sample_seeds
 
     out = []
     for g in range(n_groups):

@@ -10,7 +10,7 @@ import pytest
 from miles.config.resolve import resolve
 from miles.core.sample import Sample
 from miles.rollout.manager import build_requests
-from miles.rollout.step_strategy_hub import resolve_step_strategy
+from miles.sampling.step_strategies import resolve_step_strategy
 
 
 def groups(n_groups: int = 2, n: int = 4) -> list[list[Sample]]:

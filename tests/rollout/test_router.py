@@ -13,7 +13,7 @@ import pytest
 import requests
 from router_helpers import GENERATE, Removals, call, post, wait_for
 
-from miles.rollout.router import ENGINE_HEADER, MilesRouter, RouterConfig
+from miles.rollout.engines.sglang.router import ENGINE_HEADER, MilesRouter, RouterConfig
 
 
 def test_sequential_requests_spread_evenly_and_round_trip_exactly(make_backends, make_router) -> None:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from router_helpers import Removals, call, post, wait_for
 
-from miles.rollout.router import ENGINE_HEADER
+from miles.rollout.engines.sglang.router import ENGINE_HEADER
 
 
 def test_health_checks_remove_engine_after_exactly_threshold_failures(make_backends, make_router) -> None:

@@ -105,7 +105,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, list
     monkeypatch.setattr("miles.utils.sglang_env.resolve_sglang_python", lambda explicit: "python")
     monkeypatch.setattr("miles.core.inputs.input_path", lambda args, value: tmp_path)
     monkeypatch.setattr("miles.models.tiny.metadata.max_sequence_length", lambda path, default: default)
-    monkeypatch.setattr("miles.rollout.router.MilesRouter", FakeRouter)
+    monkeypatch.setattr("miles.rollout.engines.sglang.router.MilesRouter", FakeRouter)
     monkeypatch.setattr(rollout_module, "served_checkpoint", lambda path, shift, root: path)
     monkeypatch.setattr(rollout_module, "make_poster", lambda args, **kwargs: made["posters"].append(kwargs))
     FakeRouter.configs = []

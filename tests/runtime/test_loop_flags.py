@@ -18,7 +18,7 @@ import pytest
 from miles.config.resolve import resolve
 from miles.core.sample import Sample
 from miles.io.rollout_file import load_rollout
-from miles.rollout.dmd2_sampler import stop_step
+from miles.rollout.dmd2.sampler import stop_step
 from miles.runtime.phases import Phases
 from miles.runtime.ray_setup import init_ray
 from miles.runtime.train_dmd2 import run_iteration

@@ -19,7 +19,7 @@ import torch
 from miles.config.resolve import resolve
 from miles.rollout.engines.sglang.rollout import RolloutEngineError
 from miles.rollout.manager import RolloutManager, build_requests
-from miles.rollout.sde import sde_step
+from miles.sampling.sde import sde_step
 
 CLI: dict[str, Any] = {
     "rollout_backend": "sglang",

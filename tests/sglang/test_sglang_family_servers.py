@@ -19,7 +19,7 @@ import torch
 
 from miles.config.resolve import resolve
 from miles.rollout.manager import RolloutManager, build_requests
-from miles.rollout.sde import sde_step
+from miles.sampling.sde import sde_step
 from miles.training.pairs import stack_conditions
 
 TOL = 1e-4

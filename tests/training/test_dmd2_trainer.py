@@ -15,8 +15,8 @@ from PIL import Image
 from miles.algorithms.dmd2 import add_noise, dm_timesteps, is_generator_step, x0_from_velocity
 from miles.config.resolve import resolve
 from miles.core.errors import ConfigError
-from miles.rollout.dmd2_manager import Dmd2RolloutManager
-from miles.rollout.dmd2_sampler import stop_step
+from miles.rollout.dmd2.manager import Dmd2RolloutManager
+from miles.rollout.dmd2.sampler import stop_step
 from miles.runtime.train_dmd2 import check_gan_data, generator_iterations
 from miles.training.methods.dmd2 import critic_state, generator_inputs, model_velocity, score_samples
 from miles.training.model import full_state_dict

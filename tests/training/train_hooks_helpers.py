@@ -9,7 +9,7 @@ import torch
 from miles.algorithms.policy_loss import policy_loss
 from miles.algorithms.sft_loss import sft_loss
 from miles.core.sample import Sample
-from miles.rollout.sde import sde_step
+from miles.sampling.sde import sde_step
 from miles.training.pairs import Pair, expand_flow_grpo
 
 SEEN_KEYS: list[set[str]] = []  # the batch keys flow_matching_loss saw, newest last

@@ -98,7 +98,7 @@ FLAGS: list[Flag] = [
         "sde-step-backend-path",
         DOTTED,
         None,
-        "miles.rollout.sde_backends.SdeStepBackend subclass replacing the one --diffusion-sde-type picks, in the "
+        "miles.sampling.sde_backends.SdeStepBackend subclass replacing the one --diffusion-sde-type picks, in the "
         "diffusers engine and the trainer.",
     ),
     _f(

@@ -12,7 +12,7 @@ from miles.methods import rollout_loss_types
 if TYPE_CHECKING:
     from miles.config.jobs import JobSpec
 
-STEP_STRATEGY_HUB = "miles.rollout.step_strategy_hub."
+STEP_STRATEGIES = "miles.sampling.step_strategies."
 
 
 def check_reference_and_ema(res: Resolution, job: JobSpec) -> None:
@@ -56,7 +56,7 @@ def check_sampler(res: Resolution, job: JobSpec) -> None:
         res.fail(f"{res.show('diffusion_step_strategy_path')} needs --diffusion-num-sde-steps > 0 (the window size)")
     if strategy.endswith(".mix_grpo_window") and stochastic and res["diffusion_num_sde_steps"] == 0:
         res.fail(f"{res.show('diffusion_step_strategy_path')} needs --diffusion-num-sde-steps > 0 (the window size)")
-    stock = not strategy or strategy.startswith(STEP_STRATEGY_HUB)
+    stock = not strategy or strategy.startswith(STEP_STRATEGIES)
     if stock and not strategy.endswith(".mix_grpo_window"):
         for dest in ("diffusion_sde_window_interval", "diffusion_sde_window_stride"):
             if res.explicit(dest):

@@ -1,6 +1,6 @@
 """Rules of the rollout hooks and backends: each is accepted only where miles calls it (torch-free).
 
-See miles.rollout.rollout_hooks (rollout, eval, generate and log hooks), miles.rollout.sde_backends
+See miles.rollout.rollout_hooks (rollout, eval, generate and log hooks), miles.sampling.sde_backends
 (--sde-step-backend-path, --diffusion-log-prob-no-const) and miles.training.model.ModelBackend.
 """
 

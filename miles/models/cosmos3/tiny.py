@@ -133,7 +133,7 @@ def make_scheduler() -> Any:
 
 
 def grid_configs() -> dict[str, dict[str, Any]]:
-    """The configs the torch-free denoising grid (`miles.rollout.grid`) reads, as this build writes them
+    """The configs the torch-free denoising grid (`miles.sampling.grid`) reads, as this build writes them
     ({component: those keys of its config}), so `miles inspect-config` shows the grid before the first build."""
     return {
         "scheduler": {"_class_name": "UniPCMultistepScheduler", **SCHEDULER_CONFIG},

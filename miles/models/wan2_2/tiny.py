@@ -193,7 +193,7 @@ def make_scheduler() -> Any:
 
 
 def grid_configs() -> dict[str, dict[str, Any]]:
-    """The configs the torch-free denoising grid (`miles.rollout.grid`) reads, as this build writes them
+    """The configs the torch-free denoising grid (`miles.sampling.grid`) reads, as this build writes them
     ({component: those keys of its config}), so `miles inspect-config` shows the grid before the first build."""
     expert = {"patch_size": list(PATCH_SIZE), "in_channels": LATENT_CHANNELS}
     return {

@@ -2,7 +2,7 @@
 
 It runs on CPU or GPU, directly or as a Ray actor (`EngineActor`). A request is one microgroup: one
 prompt, encoded once, M samples with consecutive seeds. The denoising loop is the pipeline's own
-(same scheduler, same CFG, same transformer call) with the step replaced by `miles.rollout.sde.sde_step`
+(same scheduler, same CFG, same transformer call) with the step replaced by `miles.sampling.sde.sde_step`
 on the steps the step strategy chose, so with noise level 0 it reproduces the plain pipeline.
 """
 
@@ -22,11 +22,11 @@ from miles.models.lora_sync import LoraMerger, is_lora_entry
 from miles.models.tiny.metadata import max_sequence_length
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.engine_state import HEALTH_GROUP, RecoverableEngine
-from miles.rollout.engines.sampling_plan import SamplingPlan
-from miles.rollout.ode_solvers import compress_after, data_prediction, dpmpp_2m_step
-from miles.rollout.sde import sde_step
-from miles.rollout.sde_backends import backend_step
-from miles.rollout.seeds import draw_normal, generator_device, noise_generator
+from miles.sampling.ode_solvers import compress_after, data_prediction, dpmpp_2m_step
+from miles.sampling.plan import SamplingPlan
+from miles.sampling.sde import sde_step
+from miles.sampling.sde_backends import backend_step
+from miles.sampling.seeds import draw_normal, generator_device, noise_generator
 from miles.utils.offload import own_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -214,8 +214,8 @@ class DiffusersEngine:
         self._guest = None
 
     def generate_few_step(self, requests: list[GenerateRequest]) -> list[Sample]:
-        """The DMD2 student's few-step rollouts (`miles.rollout.dmd2_engine`), all requests as one batch."""
-        from miles.rollout.dmd2_engine import generate_few_step
+        """The DMD2 student's few-step rollouts (`miles.rollout.dmd2.engine`), all requests as one batch."""
+        from miles.rollout.dmd2.engine import generate_few_step
 
         return generate_few_step(self, requests)
 

@@ -62,7 +62,7 @@ ExternalData = dict[int, dict[str, torch.Tensor]]
 
 
 def generator_inputs(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(x_{t_k}, t_k, sigma_k, x0_engine)` of stopped student rollouts (`miles.rollout.dmd2_engine` layout)."""
+    """`(x_{t_k}, t_k, sigma_k, x0_engine)` of stopped student rollouts (`miles.rollout.dmd2.engine` layout)."""
     trajs = [s.trajectory for s in samples]
     if any(t is None or t.latents.shape[0] < 2 for t in trajs):
         raise ValueError("a DMD2 sample needs the student's stopped trajectory (input latents and its x0)")

@@ -1,7 +1,7 @@
 """`--loss-type policy_loss`: Flow-GRPO on the recorded SDE transitions of the rollout.
 
 Each pair is one transition `x_t -> x_next` the engine sampled; the trainer's velocity at `x_t` goes through the
-engine's own SDE kernel (`--sde-step-backend-path`, `miles.rollout.sde_backends`) to the transition's log-prob,
+engine's own SDE kernel (`--sde-step-backend-path`, `miles.sampling.sde_backends`) to the transition's log-prob,
 and `miles.algorithms.policy_loss` takes the clipped ratio against the engine's log-prob (or the recomputed one,
 `--diffusion-recompute-old-log-prob`), with an optional KL to the reference (`--diffusion-kl-beta`). Under
 `--diffusion-grpo-guard` the clipped log-ratio is RatioNorm's and each transition's term is weighted by `1/|dt|`
@@ -17,7 +17,7 @@ import torch
 from miles.algorithms.grpo_guard import ratio_bias, ratio_norm_log_ratio, step_weight
 from miles.algorithms.policy_loss import policy_loss
 from miles.core.sample import Sample
-from miles.rollout.sde_backends import backend_step
+from miles.sampling.sde_backends import backend_step
 from miles.training.methods.base import Loss, RolloutMethod
 from miles.training.pairs import Pair, expand_flow_grpo, flow_grpo_batch, transition_problem
 from miles.training.step_metrics import model_output_diffs

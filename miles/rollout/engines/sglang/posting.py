@@ -32,7 +32,7 @@ class PostReply:
 
 
 async def _post(session: Any, url: str, payload: dict[str, Any]) -> PostReply:
-    from miles.rollout.router import ENGINE_HEADER
+    from miles.rollout.engines.sglang.router import ENGINE_HEADER
 
     async with session.post(url, json=payload) as resp:
         body = await resp.read()

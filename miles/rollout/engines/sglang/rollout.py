@@ -79,7 +79,7 @@ class SglangRollout:
         from miles.core.inputs import input_path
         from miles.models.tiny.metadata import max_sequence_length
         from miles.rollout.engines.sglang.engine import engine_actor_class
-        from miles.rollout.router import MilesRouter, RouterConfig
+        from miles.rollout.engines.sglang.router import MilesRouter, RouterConfig
         from miles.utils.sglang_env import resolve_sglang_python
 
         self.args = args
@@ -360,7 +360,7 @@ class SglangRollout:
         return [sample for result in results for sample in result]
 
     async def _one(self, client: Any, semaphore: asyncio.Semaphore, request: GenerateRequest, score: bool) -> Any:
-        from miles.rollout.rm_hub.dispatch import score_samples
+        from miles.rewards.dispatch import score_samples
 
         payload = rollout_payload(request, self.args.diffusion_generator_device, self.family, self.max_sequence_length)
         url = self.router.url + GENERATE_PATH
