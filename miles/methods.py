@@ -1,12 +1,13 @@
 """The training methods: one table keyed by the `--loss-type` value users type, as `miles.models.families` is for
 model families. Torch-free (the config layer reads it before torch is loaded).
 
-Every reader of a loss type goes through it: the flag's choices (`miles.config.catalog.algorithm`), each job's
-allowed and auto loss types and the automatic `--ref-mode` (`miles.config.jobs`), the rule on which methods train on
-rollout pairs (`miles.config.rules.algorithm`), each method's own rules and flags (`miles.config.rules.methods`),
-DMD2's critic group (`miles.config.trainer_config`), the trainer's method object (`miles.training.methods`, loaded
-from `impl`), and the memory plan (`miles.memory.step`, `miles.memory.static`). A new method is one entry here plus
-its module under `miles/training/methods/`, its flags and its tests.
+Every reader of a loss type goes through it: the flag's choices (`miles.config.catalog.algorithm`), the jobs the
+NFT and DPO flags are for (`miles.config.catalog._common`), each job's allowed and auto loss types and the automatic
+`--ref-mode` (`miles.config.jobs`), the rule on which methods train on rollout pairs (`miles.config.rules.algorithm`),
+each method's own rules and flags (`miles.config.rules.methods`), DMD2's critic group (`miles.config.trainer_config`),
+the trainer's method object (`miles.training.methods`, loaded from `impl`), and the memory plan (`miles.memory.step`,
+`miles.memory.static`). A new method is one entry here plus its module under `miles/training/methods/`, its flags
+and its tests.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def export(
     ] = None,
 ) -> None:
     """Turn a saved checkpoint into a LoRA adapter (diffusers format) and/or a merged pipeline."""
-    from miles.config.resolve import TRAINING_JOBS, resolve
+    from miles.config.resolve import resolve
     from miles.training.checkpoint_index import find_loadable_checkpoint
 
     ckpt = Path(checkpoint_dir)
@@ -89,10 +89,10 @@ def export(
     source = find_config(ckpt, config)
     cli = {"hf_checkpoint": hf_checkpoint} if hf_checkpoint else {}
     resolved = resolve(None, cli=cli, recipe=source)
-    job = resolved.spec.name
-    if job not in TRAINING_JOBS:
+    job = resolved.spec
+    if not job.saves_checkpoints:
         raise ConfigError(f"{source}: a `miles {resolved.spec.command}` config; an export needs a training job's")
-    if job == "dmd2" and ckpt.name == "critic":
+    if job.distills and ckpt.name == "critic":
         raise ConfigError(f"{ckpt}: the DMD2 critic (fake score); the student's checkpoints are in {ckpt.parent}")
     args = resolved.trainer_args["actor"]
     chosen = weights or args.ema_rollout_policy

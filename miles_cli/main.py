@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import typer
 
+from miles.config.jobs import JOBS, JobSpec
 from miles.core.errors import ConfigError, RuntimeUnavailable
 from miles_cli.options import META_PANEL, build_command, given_flags, normalize_argv, split_extras
 
@@ -54,6 +55,12 @@ def _kw(name: str, annotation: Any, default: Any) -> inspect.Parameter:
 
 def _ctx_param() -> inspect.Parameter:
     return inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+
+
+def _job_names() -> str:
+    """The jobs of the table in words: `a, b or c`."""
+    names = list(JOBS)
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
 def _meta_params(inspect_config: bool = False, plan: bool = False) -> list[inspect.Parameter]:
@@ -124,7 +131,7 @@ def _meta_params(inspect_config: bool = False, plan: bool = False) -> list[inspe
                 typer.Option(
                     None,
                     "--job",
-                    help="rl, sft, dmd2, eval, rollout-only or replay. Default: the recipe's.",
+                    help=f"{_job_names()}. Default: the recipe's.",
                     rich_help_panel=META_PANEL,
                 ),
             ),
@@ -179,42 +186,44 @@ def _run_job(job: str, ctx: typer.Context, kwargs: dict[str, Any], replay_path: 
     return dispatch(resolved)  # the driver's exit code (e.g. 1 when the --ci-test metric check fails)
 
 
-def _job_command(job: str):
-    def body(ctx: typer.Context, **kwargs: Any) -> int | None:
-        return _run_job(job, ctx, kwargs)
+def _job_command(spec: JobSpec):
+    """The command of one row of the job table: its flags, and the rollout file it trains on when it takes one."""
+    leading = [_ctx_param()]
+    if spec.takes_rollout_file:
 
-    from miles.config.jobs import JOBS
+        def body(ctx: typer.Context, rollout: str, **kwargs: Any) -> int | None:
+            # its exit code: a failed replay is not a pass
+            return _run_job(spec.name, ctx, kwargs, replay_path=rollout)
 
-    body.__doc__ = JOBS[job].summary
-    return build_command(body, [_ctx_param()], _meta_params())
-
-
-for _job in ("rl", "sft", "dmd2"):
-    train_app.command(_job, context_settings=_CONTEXT)(_job_command(_job))
-app.command("eval", context_settings=_CONTEXT, rich_help_panel="Jobs")(_job_command("eval"))
-app.command("rollout-only", context_settings=_CONTEXT, rich_help_panel="Jobs")(_job_command("rollout-only"))
-
-
-def _replay_body(ctx: typer.Context, rollout: str, **kwargs: Any) -> int | None:
-    """Train on a saved rollout file (rollout_{id}.pt) with no engines started."""
-    return _run_job("replay", ctx, kwargs, replay_path=rollout)  # its exit code: a failed replay is not a pass
-
-
-app.command("replay", context_settings=_CONTEXT, rich_help_panel="Jobs")(
-    build_command(
-        _replay_body,
-        [
-            _ctx_param(),
+        leading.append(
             inspect.Parameter(
                 "rollout",
                 inspect.Parameter.POSITIONAL_OR_KEYWORD,
                 annotation=str,
                 default=typer.Argument(..., metavar="ROLLOUT.pt", help="A rollout file written by a run."),
-            ),
-        ],
-        _meta_params(),
-    )
-)
+            )
+        )
+    else:
+
+        def body(ctx: typer.Context, **kwargs: Any) -> int | None:
+            return _run_job(spec.name, ctx, kwargs)
+
+    body.__doc__ = spec.summary
+    return build_command(body, leading, _meta_params())
+
+
+def add_job_commands(root: typer.Typer, groups: Mapping[str, typer.Typer], jobs: Iterable[JobSpec]) -> None:
+    """One command per job, in table order: `miles <group> <word>` under its `cli_group`, else `miles <word>` in
+    the Jobs panel."""
+    for spec in jobs:
+        command = _job_command(spec)
+        if spec.cli_group is None:
+            root.command(spec.word, context_settings=_CONTEXT, rich_help_panel="Jobs")(command)
+        else:
+            groups[spec.cli_group].command(spec.word, context_settings=_CONTEXT)(command)
+
+
+add_job_commands(app, {"train": train_app}, JOBS.values())
 
 
 def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
@@ -253,7 +262,7 @@ def _inspect_body(ctx: typer.Context, **kwargs: Any) -> None:
 def _print_manager_node(resolved: Any) -> None:
     from miles.placement.manager_node import describe
 
-    line = describe(resolved.args, resolved.spec.name)
+    line = describe(resolved.args, resolved.spec)
     if line:
         print(line)
 

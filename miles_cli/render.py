@@ -79,12 +79,13 @@ def print_inspect(resolved: ResolvedJob, fmt: str, show_all: bool = False) -> No
 def print_schedule(resolved: ResolvedJob) -> None:
     """What the job evaluates and when, and (an RL job) the denoising grid's trained steps as they will run."""
     from miles.config.eval_schedule import has_eval_data, schedule_text
+    from miles.config.jobs import EVAL_PERIODIC
     from miles.sampling.trained_steps import plan_lines
 
-    args, job = resolved.args, resolved.spec.name
-    lines = plan_lines(args, job)
-    if has_eval_data(args) or job in ("rl", "sft", "dmd2"):
-        lines.append(f"evaluation: {schedule_text(args, job)}")
+    args, spec = resolved.args, resolved.spec
+    lines = plan_lines(args, spec)
+    if has_eval_data(args) or spec.evaluation == EVAL_PERIODIC:
+        lines.append(f"evaluation: {schedule_text(args, spec.name)}")
     if lines:
         print("\n".join(lines))
 

@@ -24,8 +24,6 @@ from miles.config.rules import SHARED_RULES
 from miles.config.trainer_config import TrainerConfig, compute_trainer_args, compute_trainer_configs
 from miles.core.errors import ConfigError
 
-TRAINING_JOBS = ("rl", "sft", "dmd2")
-
 
 @dataclass
 class ResolvedJob:
@@ -58,9 +56,7 @@ def resolve(
 
     name = job or (recipe_file.job if recipe_file else None) or (yaml_file.job if yaml_file else None)
     if name is None:
-        raise ConfigError(
-            "which job? give --job (rl, sft, dmd2, eval, rollout-only, replay) or a recipe that names one"
-        )
+        raise ConfigError(f"which job? give --job ({', '.join(JOBS)}) or a recipe that names one")
     spec = job_spec(name)
     for cfg in (recipe_file, yaml_file):
         if cfg is not None:
@@ -110,7 +106,7 @@ def _load_recipe(name_or_path: str) -> ConfigFile:
 
 def _check_file_job(cfg: ConfigFile, spec: JobSpec) -> None:
     """A training recipe runs under its own job; eval, rollout-only and replay may reuse any recipe."""
-    if cfg.job is None or cfg.job == spec.name or spec.name not in TRAINING_JOBS:
+    if cfg.job is None or cfg.job == spec.name or spec.reuses_recipes:
         return
     other = JOBS.get(cfg.job)
     how = f"`miles {other.command}`" if other else f"job {cfg.job!r}"

@@ -193,7 +193,7 @@ def gpu_view(resolved: Any) -> tuple[Any, str | None]:
         args.rollout_backend != "diffusers"
         or args.source_of("rollout_backend") != "derived"
         or not resolved.spec.generates
-        or resolved.spec.name == "dmd2"
+        or resolved.spec.distills  # its few-step student samples on the diffusers backend only
         or gpus_present()
     ):
         return resolved, None
@@ -265,7 +265,7 @@ def candidate_changes(resolved: Any) -> list[Change]:
         out.append(Change("--micro-batch-size 1", {"micro_batch_size": 1}))
     if int(args.rollout_microgroup_size or 1) > 1 and engines:
         out.append(Change("--rollout-microgroup-size 1", {"rollout_microgroup_size": 1}))
-    if not args.use_lora and resolved.spec.name != "dmd2":
+    if not args.use_lora and not resolved.spec.distills:
         out.append(Change("--use-lora", {"use_lora": True}))
     if not (args.offload_train and args.offload_rollout) and engines:
         out.append(Change("--offload", {"offload": True}))

@@ -14,20 +14,16 @@ from miles.core.errors import ConfigError
 
 DRIVER = "driver"
 HEAD = "head"
-JOBS_WITH_MANAGER = frozenset({"rl", "dmd2", "eval", "rollout-only"})
 
 
 def setting(args: Any) -> str:
     return str(getattr(args, "rollout_manager_node", None) or DRIVER).strip()
 
 
-def describe(args: Any, job: str) -> str | None:
-    """One line for the plan: where the manager will run (None for a job without one)."""
-    if (
-        job not in JOBS_WITH_MANAGER
-        or getattr(args, "train_only", False)
-        or getattr(args, "load_debug_rollout_data", None)
-    ):
+def describe(args: Any, job: Any) -> str | None:
+    """One line for the plan: where the manager will run (None for a job without one: its row of the job table,
+    `miles.config.jobs.JobSpec`, starts no engines)."""
+    if not job.starts_engines or getattr(args, "train_only", False) or getattr(args, "load_debug_rollout_data", None):
         return None
     where = setting(args)
     text = {DRIVER: "the node the command runs on", HEAD: "Ray's head node"}.get(where, f"the node at {where}")

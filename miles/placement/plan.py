@@ -156,7 +156,7 @@ def _trainer_roles(job: Any, args: Any) -> tuple[str, ...]:
 
 
 def _runs_engines(job: Any, args: Any) -> bool:
-    return job.name in ("rl", "dmd2", "eval", "rollout-only") and not args.train_only
+    return job.starts_engines and not args.train_only
 
 
 def _reward_gpus(job: Any, args: Any) -> float:

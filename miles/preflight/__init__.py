@@ -18,11 +18,12 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from miles.core.errors import ConfigError
 from miles.preflight import checkpoint, cluster, data, hooks, memory, models, replay, rewards, several_hosts
-from miles.preflight.base import TRAINING_JOBS, Check, PreflightWarning
+from miles.preflight.base import Check, PreflightWarning
 from miles.utils.text import clip
 
 if TYPE_CHECKING:
@@ -30,17 +31,18 @@ if TYPE_CHECKING:
 
 CHECKS: tuple[Check, ...] = (
     Check("model paths", models.check_model_paths),
-    Check("prompt data", data.check_prompt_data, jobs=data.PROMPT_DATA_JOBS),
+    Check("prompt data", data.check_prompt_data, applies_to=attrgetter("needs_prompt_data")),
     Check("eval data", data.check_eval_data),
     Check("hooks", hooks.check_hooks),
-    Check("reward service", rewards.check_remote_reward, jobs=rewards.SCORING_JOBS),
-    Check("--load", checkpoint.check_load, jobs=TRAINING_JOBS),
-    Check("--save", checkpoint.check_save_over_checkpoints, jobs=TRAINING_JOBS),
+    # a job that starts engines scores with the reward: its rollouts, or its eval samples
+    Check("reward service", rewards.check_remote_reward, applies_to=attrgetter("starts_engines")),
+    Check("--load", checkpoint.check_load, applies_to=attrgetter("saves_checkpoints")),
+    Check("--save", checkpoint.check_save_over_checkpoints, applies_to=attrgetter("saves_checkpoints")),
     Check("output folders", checkpoint.check_outputs),
     Check("finished runs", checkpoint.check_finished_runs),
     Check("cluster", cluster.check_cluster),
     Check("GPU memory", memory.check_gpu_memory),
-    Check("rollout files", replay.check_rollout_files, jobs=frozenset({"rl", "replay"})),
+    Check("rollout files", replay.check_rollout_files, applies_to=attrgetter("trains_on_rollouts")),
     Check("several hosts", several_hosts.check_several_hosts),
 )
 
@@ -63,7 +65,7 @@ def run_checks(resolved: ResolvedJob, checks: tuple[Check, ...] = CHECKS) -> Rep
     start = time.perf_counter()
     report = Report(warnings=len(resolved.warnings))
     for check in checks:
-        if not check.applies(resolved.spec.name):
+        if not check.applies(resolved.spec):
             continue
         report.checks += 1
         try:

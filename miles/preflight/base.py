@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from miles.config.jobs import JobSpec
     from miles.config.resolve import ResolvedJob
 
 CheckFn = Callable[["ResolvedJob"], Iterable[str]]
-
-TRAINING_JOBS = frozenset({"rl", "sft", "dmd2"})
 
 
 class PreflightWarning(str):
@@ -24,11 +23,12 @@ class Check:
     """One check: `run(resolved)` yields one line per problem (flag, value, what is wrong, what to do), or a
     `PreflightWarning` for what it can only warn about.
 
-    `jobs`: the jobs it applies to (None: every job). A `ConfigError` it raises counts as one problem."""
+    `applies_to`: which jobs it applies to, read from the job's row of the job table (`miles.config.jobs`), e.g.
+    `attrgetter("saves_checkpoints")`; None: every job. A `ConfigError` it raises counts as one problem."""
 
     name: str
     run: CheckFn
-    jobs: frozenset[str] | None = None
+    applies_to: Callable[[JobSpec], bool] | None = None
 
-    def applies(self, job: str) -> bool:
-        return self.jobs is None or job in self.jobs
+    def applies(self, job: JobSpec) -> bool:
+        return self.applies_to is None or bool(self.applies_to(job))

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
-from miles.preflight.base import TRAINING_JOBS
 
 if TYPE_CHECKING:
+    from miles.config.jobs import JobSpec
     from miles.config.resolve import ResolvedJob
 
 TRAINER_PARTS = ("model.pt", "lr_scheduler.pt", "extra.json")
@@ -99,7 +99,7 @@ def check_finished_runs(resolved: ResolvedJob) -> list[str]:
                 f"--output-dir {shown}: holds {describe(record)}; its files stay as they are: give a new "
                 f"--output-dir{resume}"
             )
-    if args.save is not None and resolved.spec.name in TRAINING_JOBS:
+    if args.save is not None and resolved.spec.saves_checkpoints:
         save = real(args.save)
         other = finished_run(save) if save != out else None
         if other is None and save != out and (save / "metrics.jsonl").is_file() and (save / "config.yaml").is_file():
@@ -146,13 +146,13 @@ def _template_dir(template: str) -> Path | None:
         return None
 
 
-def output_folders(args: Any, job: str) -> list[tuple[str, str, Path]]:
+def output_folders(args: Any, job: JobSpec) -> list[tuple[str, str, Path]]:
     """(flag, value, folder) of every folder the job writes. A debug-dump template derived from --dump-details
     is listed under --dump-details (the flag the user gave), with the folder it writes."""
     from miles.config.args import DERIVED
 
     out = [("--output-dir", str(args.output_dir), Path(str(args.output_dir)).expanduser())]
-    if args.save is not None and job in ("rl", "sft", "dmd2"):
+    if args.save is not None and job.saves_checkpoints:
         out.append(("--save", str(args.save), Path(str(args.save)).expanduser()))
     if args.dump_details is not None:
         out.append(("--dump-details", str(args.dump_details), Path(str(args.dump_details)).expanduser()))
@@ -183,7 +183,7 @@ def check_outputs(resolved: ResolvedJob) -> list[str]:
     one already refused under the same flag is not refused again)."""
     problems = []
     refused: list[tuple[str, Path]] = []
-    for flag, value, folder in output_folders(resolved.args, resolved.spec.name):
+    for flag, value, folder in output_folders(resolved.args, resolved.spec):
         if any(flag == f and folder.is_relative_to(seen) for f, seen in refused):
             continue  # the same mistake, seen through a folder derived from it
         problem = writable_problem(folder)

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 # a per-line check: (file:line, the row, its prompt, its metadata) -> raises ConfigError
 LineCheck = Callable[[str, dict[str, Any], str, dict[str, Any]], None]
 
-PROMPT_DATA_JOBS = frozenset({"rl", "sft", "dmd2", "rollout-only"})
 _REMEDY = "fix or remove that line"
 
 
@@ -165,18 +164,18 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
     """`--prompt-data` of a job that reads it through the default data source (or as SFT rows)."""
     args = resolved.args
     spec = args.prompt_data
-    job = resolved.spec.name
+    job = resolved.spec
     if spec is None or _builtin(spec) or args.load_debug_rollout_data is not None:
         return []
-    url = url_problem(str(spec), "SFT data" if job == "sft" else "prompt data")
+    url = url_problem(str(spec), "SFT data" if job.trains_on_dataset else "prompt data")
     if url:
         return [f"--prompt-data {url}"]
     path = Path(str(spec)).expanduser()
     try:
-        if job == "sft" and _sft_rows(args) == "preference":
+        if job.trains_on_dataset and _sft_rows(args) == "preference":
             scan_preference_file(path, args)
             return []
-        if job == "sft":
+        if job.trains_on_dataset:
             scan_sft_file(path, args.input_key)
             return []
         if args.disable_rollout_global_dataset or args.data_source_path:
@@ -185,7 +184,7 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
         reward = reward_check(args) if _job_scores_prompts(resolved) else None
         if reward is not None:
             checks.append(reward)
-        if job == "dmd2" and float(args.dmd2_gan_loss_weight) > 0:
+        if job.distills and float(args.dmd2_gan_loss_weight) > 0:
             checks.append(_first_row_has_image(args))
         scan_prompt_file(path, args.input_key, args.metadata_key, checks)
     except ConfigError as exc:

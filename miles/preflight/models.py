@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from miles.models.model_record import denoiser_components, read_json_object
 from miles.rewards import REWARD_TYPES
 
 if TYPE_CHECKING:
+    from miles.config.jobs import JobSpec
     from miles.config.resolve import ResolvedJob
 
 # a folder's problem (None: it holds what the loader reads)
@@ -70,13 +72,17 @@ def file_layout(*names: str, what: str) -> Layout:
 
 @dataclass(frozen=True)
 class ModelInput:
-    """A flag naming a checkpoint, what its folder must hold (`kind`) and the jobs that read it."""
+    """A flag naming a checkpoint, what its folder must hold (`kind`) and the jobs that read it (`applies_to`, read
+    from the job's row of the job table; None: every job)."""
 
     dest: str
     flag: str
     kind: str  # pipeline | encoder | clip_model | clip_processor
-    jobs: frozenset[str] | None = None
+    applies_to: Callable[[JobSpec], bool] | None = None
     used: Callable[[Any], bool] = lambda args: True
+
+    def applies(self, job: JobSpec) -> bool:
+        return self.applies_to is None or bool(self.applies_to(job))
 
 
 def _uses_reward(name: str) -> Callable[[Any], bool]:
@@ -92,8 +98,10 @@ def _uses_reward(name: str) -> Callable[[Any], bool]:
 
 MODEL_INPUTS: tuple[ModelInput, ...] = (
     ModelInput("hf_checkpoint", "--hf-checkpoint", "pipeline"),
-    ModelInput("teacher_checkpoint", "--teacher-checkpoint", "pipeline", jobs=frozenset({"dmd2"})),
-    ModelInput("sft_encoder_checkpoint", "--sft-encoder-checkpoint", "encoder", jobs=frozenset({"sft"})),
+    ModelInput("teacher_checkpoint", "--teacher-checkpoint", "pipeline", applies_to=attrgetter("distills")),
+    ModelInput(
+        "sft_encoder_checkpoint", "--sft-encoder-checkpoint", "encoder", applies_to=attrgetter("trains_on_dataset")
+    ),
     *(
         ModelInput(dest, "--" + dest.replace("_", "-"), kind, used=_uses_reward(name))
         for name, reward in REWARD_TYPES.items()
@@ -142,7 +150,7 @@ def check_model_paths(resolved: ResolvedJob) -> list[str]:
     flags: dict[tuple[str, str], list[str]] = {}
     for spec in MODEL_INPUTS:
         value = getattr(args, spec.dest, None)
-        if value is None or not spec.used(args) or (spec.jobs is not None and resolved.spec.name not in spec.jobs):
+        if value is None or not spec.used(args) or not spec.applies(resolved.spec):
             continue
         flags.setdefault((str(value), spec.kind), []).append(spec.flag)
     problems = []

@@ -57,7 +57,7 @@ def check_rollout_files(resolved: ResolvedJob) -> list[str]:
     template = args.load_debug_rollout_data
     if template is None:
         return []
-    if resolved.spec.name == "replay":
+    if resolved.spec.takes_rollout_file:  # `miles replay ROLLOUT.pt`: that one file
         label, paths = REPLAY_LABEL, [Path(str(template)).expanduser()]
     else:
         label = TEMPLATE_FLAG

@@ -14,8 +14,6 @@ from miles.rewards import reward_names
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
 
-SCORING_JOBS = frozenset({"rl", "dmd2", "eval", "rollout-only"})
-
 
 def check_remote_reward(resolved: ResolvedJob) -> list[str]:
     args = resolved.args

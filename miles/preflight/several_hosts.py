@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from miles.preflight.base import PreflightWarning
 
 if TYPE_CHECKING:
+    from miles.config.jobs import JobSpec
     from miles.config.resolve import ResolvedJob
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -52,18 +53,18 @@ def check_several_hosts(resolved: ResolvedJob) -> list[str]:
 def shared_path_flags(resolved: ResolvedJob) -> Iterator[str]:
     """The path flags (in use by this job, given as local paths) that its actors read or write."""
     from miles.preflight.checkpoint import output_folders
-    from miles.preflight.data import PROMPT_DATA_JOBS, eval_data_used
+    from miles.preflight.data import eval_data_used
     from miles.preflight.models import MODEL_INPUTS
 
-    args, job = resolved.args, resolved.spec.name
+    args, job = resolved.args, resolved.spec
     for flag, value, _ in output_folders(args, job):
         if os.path.isabs(value):
             yield flag + (" (with the sglang engines' weight-sync folder)" if _sglang_sync(args, flag, job) else "")
-    if job in ("rl", "sft", "dmd2") and _local(args.load):
+    if job.saves_checkpoints and _local(args.load):
         yield "--load"
-    if job in ("rl", "replay") and _local(args.load_debug_rollout_data):
+    if job.trains_on_rollouts and _local(args.load_debug_rollout_data):
         yield "--load-debug-rollout-data"
-    if job in PROMPT_DATA_JOBS and _local(args.prompt_data):
+    if job.needs_prompt_data and _local(args.prompt_data):
         yield "--prompt-data"
     if eval_data_used(resolved):
         if _local(args.eval_config):
@@ -71,7 +72,7 @@ def shared_path_flags(resolved: ResolvedJob) -> Iterator[str]:
         elif any(_local(path) for path in (args.eval_prompt_data or {}).values()):
             yield "--eval-prompt-data"
     for spec in MODEL_INPUTS:
-        if (spec.jobs is None or job in spec.jobs) and spec.used(args) and _local(getattr(args, spec.dest, None)):
+        if spec.applies(job) and spec.used(args) and _local(getattr(args, spec.dest, None)):
             yield spec.flag
     if _sglang(args, job) and _local(args.sglang_python):
         yield "--sglang-python"
@@ -83,15 +84,13 @@ def _local(value: Any) -> bool:
     return isinstance(value, str) and os.path.isabs(value)
 
 
-def _sglang(args: Any, job: str) -> bool:
-    from miles.config.jobs import job_spec
-
-    return args.rollout_backend == "sglang" and job_spec(job).generates and not args.train_only
+def _sglang(args: Any, job: JobSpec) -> bool:
+    return args.rollout_backend == "sglang" and job.generates and not args.train_only
 
 
-def _sglang_sync(args: Any, flag: str, job: str) -> bool:
+def _sglang_sync(args: Any, flag: str, job: JobSpec) -> bool:
     """sglang engines load each weight sync from `<output-dir>/engines`, written by the trainer's rank 0."""
-    return flag == "--output-dir" and job in ("rl", "dmd2") and _sglang(args, job)
+    return flag == "--output-dir" and job.alternates_rollout_and_training and _sglang(args, job)
 
 
 def loopback_address() -> str | None:

@@ -1,35 +1,26 @@
 """The Ray runtime: placement, trainer groups and the driver of each job.
 
-`dispatch` is the only entry the CLI calls; it imports the job's driver lazily, so resolving and
-printing args never imports torch or Ray.
+`dispatch` is the only entry the CLI calls; it imports the job's driver (`JobSpec.driver` in the job table,
+`miles.config.jobs`) lazily, so resolving and printing args never imports torch or Ray.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from miles.core.errors import ConfigError, RuntimeUnavailable
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
 
-# job -> module with a `run(resolved) -> int | None` function.
-DRIVERS: dict[str, str] = {
-    "rl": "miles.runtime.train_rl",
-    "sft": "miles.runtime.train_sft",
-    "dmd2": "miles.runtime.train_dmd2",
-    "eval": "miles.runtime.eval_job",
-    "rollout-only": "miles.runtime.rollout_only",
-    "replay": "miles.runtime.replay",
-}
-
 
 def dispatch(resolved: ResolvedJob) -> int | None:
     """Run the job's driver: what fails inside an actor becomes one line (`miles.runtime.failures`; a user's
     mistake found there is re-raised as the same ConfigError, exit 2), Ctrl-C/SIGTERM exit 130/143."""
-    module = _driver(resolved)
+    run = _driver(resolved)
     from miles.runtime.failures import report_failure
     from miles.runtime.signals import as_interrupt, interrupts, last_checkpoint_line
 
@@ -42,7 +33,7 @@ def dispatch(resolved: ResolvedJob) -> int | None:
     host_watch.reset()  # no lost host of an earlier job in this process
     with interrupts():
         try:
-            code = module.run(resolved)
+            code = run(resolved)
             if not code and args.output_dir:  # done: its folders are not written over (`finished`)
                 from miles.io.finished import mark_finished
 
@@ -68,8 +59,9 @@ def dispatch(resolved: ResolvedJob) -> int | None:
             host_watch.settle()  # the job ended its own way: no forced exit after a lost host
 
 
-def _driver(resolved: ResolvedJob) -> Any:
-    module_name = DRIVERS[resolved.spec.name]
+def _driver(resolved: ResolvedJob) -> Callable[[ResolvedJob], int | None]:
+    """The job's `run` function, named by its row of the job table as `module:function`."""
+    module_name, _, function = resolved.spec.driver.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -78,4 +70,4 @@ def _driver(resolved: ResolvedJob) -> Any:
         raise RuntimeUnavailable(
             f"the `miles {resolved.spec.command}` runtime is not available yet; the args above resolved cleanly"
         ) from None
-    return module
+    return getattr(module, function)

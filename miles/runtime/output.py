@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.config.export import to_json_dict, to_yaml_text
-from miles.config.resolve import TRAINING_JOBS
 from miles.core.errors import ConfigError
 from miles.utils.atomic import atomic_write_text
 from miles.utils.disk import DiskFull, is_disk_full, writing
@@ -135,7 +134,7 @@ def prepare_output_dir(resolved: ResolvedJob) -> Path:
         lock_output_dir(out)
     config = to_yaml_text(resolved.args)
     atomic_write_text(out / "config.yaml", config)
-    if resolved.args.save and resolved.spec.name in TRAINING_JOBS:
+    if resolved.args.save and resolved.spec.saves_checkpoints:
         # the checkpoints carry the config that rebuilds their model (`miles export CHECKPOINT_DIR`)
         save = Path(str(resolved.args.save)).expanduser()
         save.mkdir(parents=True, exist_ok=True)

@@ -63,12 +63,13 @@ class TrainedSteps:
         return tuple(i for i in self.steps if not self.std(i) > 0.0)
 
 
-def trains_sde_steps(args: Any, job: str) -> bool:
-    """The job trains on recorded SDE transitions: `train rl` (or `replay`) with a method that does."""
+def trains_sde_steps(args: Any, job: Any) -> bool:
+    """The job (its row of the job table, `miles.config.jobs.JobSpec`) trains on recorded SDE transitions: a job
+    that trains on rollouts (`train rl`, `replay`) with a method that does."""
     from miles.methods import METHODS
 
     method = METHODS.get(str(args.loss_type))
-    return job in ("rl", "replay") and method is not None and method.on_rollouts and not method.renoises_samples
+    return job.trains_on_rollouts and method is not None and method.on_rollouts and not method.renoises_samples
 
 
 def _trained_experts(args: Any, grid: Grid) -> tuple[str, ...]:
@@ -103,7 +104,7 @@ def trained_steps(args: Any, num_steps: int | None = None) -> TrainedSteps | str
 
 
 # ---- what inspect-config and plan print -------------------------------------------------------------------------
-def plan_lines(args: Any, job: str) -> list[str]:
+def plan_lines(args: Any, job: Any) -> list[str]:
     """The denoising grid as the job will run it, for `inspect-config` and `plan` (no lines for a job that trains
     no SDE steps)."""
     if not trains_sde_steps(args, job):
@@ -136,7 +137,7 @@ def plan_lines(args: Any, job: str) -> list[str]:
 
 
 # ---- the config rules' warnings ----------------------------------------------------------------------------------
-def grid_warnings(res: Any, job: str) -> list[str]:
+def grid_warnings(res: Any, job: Any) -> list[str]:
     """One line per problem of the trained steps (see the module docstring); [] when they are sound or unknown.
     ValueError when the step flags do not fit the grid at all (the config rules refuse the job)."""
     args = res.to_args()

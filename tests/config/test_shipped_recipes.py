@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from miles.config.eval_schedule import evaluates, has_eval_data, schedule_text
+from miles.config.jobs import JOBS
 from miles.config.layering import load_config_file
 from miles.config.recipes import shipped_recipes
 from miles.config.resolve import ResolvedJob, resolve
@@ -189,7 +190,7 @@ def test_a_gpu_recipe_over_its_gpu_memory_is_caught(tmp_path: Path) -> None:
 
 def test_the_grid_checks_apply_to_methods_that_train_sde_steps_only() -> None:
     """NFT and DPO re-noise the final sample at fresh noise levels: their rollouts have no SDE step to check."""
-    assert not trains_sde_steps(resolve(None, recipe="sd3-pickscore-nft").args, "rl")
-    assert not trains_sde_steps(resolve(None, recipe="tiny-digits-dpo").args, "rl")
-    assert trains_sde_steps(resolve(None, recipe="sd3-ocr-grpo").args, "rl")
-    assert not trains_sde_steps(resolve(None, recipe="sd3-ocr-grpo").args, "rollout-only")
+    assert not trains_sde_steps(resolve(None, recipe="sd3-pickscore-nft").args, JOBS["rl"])
+    assert not trains_sde_steps(resolve(None, recipe="tiny-digits-dpo").args, JOBS["rl"])
+    assert trains_sde_steps(resolve(None, recipe="sd3-ocr-grpo").args, JOBS["rl"])
+    assert not trains_sde_steps(resolve(None, recipe="sd3-ocr-grpo").args, JOBS["rollout-only"])

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from miles.config.jobs import JOBS
 from miles.core.errors import ConfigError
 from miles.placement import manager_node
 from miles.runtime import host_watch
@@ -105,9 +106,9 @@ def test_the_manager_node_is_the_drivers_the_heads_or_an_address_and_a_wrong_one
     assert manager_node.find_node(head[1])[0] in alive  # both nodes share this machine's address here
     with pytest.raises(ConfigError, match=r"--rollout-manager-node 10\.250\.0\.1: no alive Ray node"):
         manager_node.find_node("10.250.0.1")
-    line = manager_node.describe(SimpleNamespace(rollout_manager_node="head", train_only=False), "rl")
+    line = manager_node.describe(SimpleNamespace(rollout_manager_node="head", train_only=False), JOBS["rl"])
     assert line == "rollout manager: Ray's head node (--rollout-manager-node head)"
-    assert manager_node.describe(SimpleNamespace(rollout_manager_node="driver"), "sft") is None
+    assert manager_node.describe(SimpleNamespace(rollout_manager_node="driver"), JOBS["sft"]) is None
 
 
 def test_an_actor_cut_off_from_the_head_exits_after_the_host_timeout(tmp_path) -> None:

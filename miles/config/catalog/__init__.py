@@ -1,7 +1,8 @@
 """The flag catalogue: every flag of the CLI reference (plus the miles additions), by help panel.
 
 Each module in this package declares one help panel: `GROUP` (the panel name) and `FLAGS`.
-This package imports nothing but `miles.config.flags`, so it is safe for `miles --help`.
+This package imports nothing but `miles.config.flags` and the torch-free tables (the job table
+`miles.config.jobs` for the flags' job scopes, the method and reward tables), so it is safe for `miles --help`.
 
 Defaults that are mutable (`--train-env-vars` {}, list defaults such as
 `--update-weight-target-module`) are shared by the frozen `Flag` objects: callers must

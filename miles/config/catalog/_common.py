@@ -20,14 +20,20 @@ from miles.config.flags import (
     WEIGHTS,
     Flag,
 )
+from miles.config.jobs import job_names
+from miles.methods import METHODS
 
-# Job scopes used by `Flag.jobs` (None = every job).
-DMD2_ONLY = frozenset({"dmd2"})
-SFT_ONLY = frozenset({"sft"})
-NFT_JOBS = frozenset({"rl", "replay"})
-DPO_JOBS = frozenset({"rl", "replay", "sft"})
-ENGINE_JOBS = frozenset({"rl", "dmd2", "eval", "rollout-only"})  # jobs that start rollout engines
-LOOP_JOBS = frozenset({"rl", "dmd2"})  # jobs whose loop alternates rollout and training
+# Job scopes used by `Flag.jobs` (None = every job), read from the job table (`miles.config.jobs`) and the method
+# table (`miles.methods`).
+DISTILL_JOBS = job_names(lambda job: job.distills)
+DATASET_JOBS = job_names(lambda job: job.trains_on_dataset)
+NFT_JOBS = frozenset(METHODS["nft"].jobs)  # the jobs whose --loss-type takes nft
+DPO_JOBS = frozenset(METHODS["dpo"].jobs)  # the jobs whose --loss-type takes dpo
+ENGINE_JOBS = job_names(lambda job: job.starts_engines)
+LOOP_JOBS = job_names(lambda job: job.alternates_rollout_and_training)
+CHECKPOINT_JOBS = job_names(lambda job: job.saves_checkpoints)
+GOLD_JOBS = job_names(lambda job: job.gold_reward)
+GUARD_JOBS = job_names(lambda job: job.guards_rewards)
 
 _METAVARS = {
     INT: "INT",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles.config.catalog._common import flag_maker
+from miles.config.catalog._common import CHECKPOINT_JOBS, flag_maker
 from miles.config.flags import BOOL, INT, PATH, Flag
 
 GROUP = "Checkpointing"
@@ -25,13 +25,13 @@ FLAGS: list[Flag] = [
         "LoRA adapter in diffusers format (lora/, with --use-lora) and the merged pipeline (pipeline/, with "
         "--export-merged or without LoRA); exports/latest.txt names the newest complete one.",
         min=1,
-        jobs=frozenset({"rl", "sft", "dmd2"}),
+        jobs=CHECKPOINT_JOBS,
     ),
     _f(
         "export-merged",
         BOOL,
         False,
         "With --export-interval and --use-lora: also write the merged pipeline beside each adapter.",
-        jobs=frozenset({"rl", "sft", "dmd2"}),
+        jobs=CHECKPOINT_JOBS,
     ),
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles.config.catalog._common import SFT_ONLY, flag_maker
+from miles.config.catalog._common import DATASET_JOBS, flag_maker
 from miles.config.flags import BOOL, DOTTED, ENUM, INT, PATH, STR, Flag
 
 GROUP = "Data and batching"
@@ -17,14 +17,14 @@ FLAGS: list[Flag] = [
         STR,
         "chosen",
         "Offline DPO (train sft --loss-type dpo): JSONL key of a preference row's chosen image path.",
-        jobs=SFT_ONLY,
+        jobs=DATASET_JOBS,
     ),
     _f(
         "rejected-key",
         STR,
         "rejected",
         "Offline DPO (train sft --loss-type dpo): JSONL key of a preference row's rejected image path.",
-        jobs=SFT_ONLY,
+        jobs=DATASET_JOBS,
     ),
     _f(
         "data-source-path",
@@ -106,7 +106,7 @@ FLAGS: list[Flag] = [
         PATH,
         None,
         "SFT only: where the tokenizer, text encoder and VAE are loaded from.",
-        jobs=SFT_ONLY,
+        jobs=DATASET_JOBS,
     ),
-    _f("sft-frame-stride", INT, 1, "SFT only: temporal stride when encoding video frames.", min=1, jobs=SFT_ONLY),
+    _f("sft-frame-stride", INT, 1, "SFT only: temporal stride when encoding video frames.", min=1, jobs=DATASET_JOBS),
 ]

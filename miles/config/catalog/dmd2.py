@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles.config.catalog._common import DMD2_ONLY, flag_maker
+from miles.config.catalog._common import DISTILL_JOBS, flag_maker
 from miles.config.flags import BOOL, FLOAT, INT, INT_LIST, PATH, Flag
 
 GROUP = "DMD2"
@@ -14,7 +14,7 @@ FLAGS: list[Flag] = [
         PATH,
         None,
         "Frozen teacher pipeline (HF id or dir); default: --hf-checkpoint.",
-        jobs=DMD2_ONLY,
+        jobs=DISTILL_JOBS,
         meta={"default_text": "--hf-checkpoint"},
     ),
     _f(
@@ -24,7 +24,7 @@ FLAGS: list[Flag] = [
         "Timesteps of the few-step student, each in [0, 999].",
         min=0,
         max=999,
-        jobs=DMD2_ONLY,
+        jobs=DISTILL_JOBS,
     ),
     _f(
         "dmd2-real-guidance-scale",
@@ -32,7 +32,7 @@ FLAGS: list[Flag] = [
         None,
         "CFG scale of the frozen teacher for the real score; default: --diffusion-guidance-scale.",
         min=0,
-        jobs=DMD2_ONLY,
+        jobs=DISTILL_JOBS,
         meta={"default_text": "--diffusion-guidance-scale"},
     ),
     _f(
@@ -41,7 +41,7 @@ FLAGS: list[Flag] = [
         5,
         "Critic (fake score) steps per student step (two time-scale update rule).",
         min=1,
-        jobs=DMD2_ONLY,
+        jobs=DISTILL_JOBS,
     ),
     _f(
         "dmd2-min-step-ratio",
@@ -50,7 +50,7 @@ FLAGS: list[Flag] = [
         "Lower end of the timestep range for the distribution-matching loss, as a fraction.",
         min=0,
         max=1,
-        jobs=DMD2_ONLY,
+        jobs=DISTILL_JOBS,
     ),
     _f(
         "dmd2-max-step-ratio",
@@ -59,7 +59,7 @@ FLAGS: list[Flag] = [
         "Upper end of the timestep range for the distribution-matching loss, as a fraction.",
         min=0,
         max=1,
-        jobs=DMD2_ONLY,
+        jobs=DISTILL_JOBS,
     ),
     _f(
         "dmd2-gan-loss-weight",
@@ -67,13 +67,13 @@ FLAGS: list[Flag] = [
         0.0,
         "Weight of the GAN loss on the critic's features; 0 turns the GAN head off.",
         min=0,
-        jobs=DMD2_ONLY,
+        jobs=DISTILL_JOBS,
     ),
     _f(
         "dmd2-backward-simulation",
         BOOL,
         True,
         "Produce the student's training inputs by running its own few-step sampler (backward simulation).",
-        jobs=DMD2_ONLY,
+        jobs=DISTILL_JOBS,
     ),
 ]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from miles.config.catalog._common import flag_maker
+from miles.config.catalog._common import GOLD_JOBS, GUARD_JOBS, flag_maker
 from miles.config.flags import BOOL, DOTTED, ENUM, FLOAT, INT, NAMED_PATHS, PATH, STR, Flag
 
 GROUP = "Evaluation"
-GOLD_JOBS = frozenset({"rl", "eval"})
-RL_ONLY = frozenset({"rl"})
 GUARD_POLICIES = ("off", "warn", "stop", "rollback")
 _f = flag_maker(GROUP)
 
@@ -42,7 +40,7 @@ FLAGS: list[Flag] = [
         "What the reward-hacking guard does when the gold reward falls (or diversity collapses): warn, stop the job, "
         "or rollback to the checkpoint with the best gold reward and end there (that checkpoint is exported).",
         choices=GUARD_POLICIES,
-        jobs=RL_ONLY,
+        jobs=GUARD_JOBS,
     ),
     _f(
         "reward-guard-patience",
@@ -50,7 +48,7 @@ FLAGS: list[Flag] = [
         2,
         "Evaluations in a row whose gold reward is below the best by more than the tolerance before the guard acts.",
         min=1,
-        jobs=RL_ONLY,
+        jobs=GUARD_JOBS,
     ),
     _f(
         "reward-guard-tolerance",
@@ -58,7 +56,7 @@ FLAGS: list[Flag] = [
         0.0,
         "How far below its best the mean gold reward may fall before an evaluation counts against the guard.",
         min=0,
-        jobs=RL_ONLY,
+        jobs=GUARD_JOBS,
     ),
     _f(
         "reward-guard-min-diversity",
@@ -67,6 +65,6 @@ FLAGS: list[Flag] = [
         "The guard also acts when rollout/diversity falls below this fraction of its first rollout's value.",
         min=0,
         max=1,
-        jobs=RL_ONLY,
+        jobs=GUARD_JOBS,
     ),
 ]

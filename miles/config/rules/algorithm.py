@@ -100,7 +100,7 @@ def check_advantages(res: Resolution, job: JobSpec) -> None:
 
 
 def check_dmd2(res: Resolution, job: JobSpec) -> None:
-    if job.name != "dmd2":
+    if not job.distills:
         return
     timesteps = res["dmd2_student_timesteps"]
     if any(a <= b for a, b in pairwise(timesteps)):
@@ -122,7 +122,7 @@ def check_train_hooks(res: Resolution, job: JobSpec) -> None:
     if not job.trains:
         return
     loss = res["loss_type"]
-    if job.name == "sft" or loss not in ROLLOUT_LOSSES:
+    if not job.trains_on_rollouts or loss not in ROLLOUT_LOSSES:
         for dest in PAIR_HOOKS:
             if res[dest] is not None:
                 res.fail(

@@ -28,7 +28,7 @@ def check_batch_invariant(res: Resolution, job: JobSpec) -> None:
     if rbs is None:
         if job.generates:
             res.fail(f"--rollout-batch-size is required by `miles {job.command}` (prompts per rollout; no default)")
-        if job.name == "sft" and gbs is not None:
+        if job.trains_on_dataset and gbs is not None:
             # Train-only SFT: the dataset rows per iteration follow from the optimizer side.
             rows = gbs * (steps or 1)
             if rows % n:
@@ -38,8 +38,10 @@ def check_batch_invariant(res: Resolution, job: JobSpec) -> None:
                 )
             rbs = rows // n
             res.derive("rollout_batch_size", rbs)
-        elif job.name == "sft":
-            res.fail("`miles train sft` needs --rollout-batch-size or --global-batch-size (dataset rows per step)")
+        elif job.trains_on_dataset:
+            res.fail(
+                f"`miles {job.command}` needs --rollout-batch-size or --global-batch-size (dataset rows per step)"
+            )
         else:
             return  # replay: the rollout file decides
     samples = rbs * n

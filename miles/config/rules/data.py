@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.config.jobs import jobs_where
 from miles.config.resolution import Resolution
 
 if TYPE_CHECKING:
@@ -99,9 +100,9 @@ def check_eval(res: Resolution, job: JobSpec) -> None:
         res.fail(f"{res.show('eval_interval')} requires eval datasets: --eval-prompt-data NAME PATH or --eval-config")
     if job.needs_eval_data and not data:
         res.fail(f"`miles {job.command}` needs eval datasets: --eval-prompt-data NAME PATH or --eval-config")
-    if job.name == "sft" and evaluates(res, job.name) and res["rollout_backend"] == "sglang":
+    if job.trains_on_dataset and evaluates(res, job.name) and res["rollout_backend"] == "sglang":
         res.fail(
-            f"{res.show('rollout_backend')}: `miles train sft` evaluates its eval sets on one in-process "
+            f"{res.show('rollout_backend')}: `miles {job.command}` evaluates its eval sets on one in-process "
             "diffusers engine; use --rollout-backend diffusers"
         )
     reason = not_evaluated_reason(res, job.name) if job.trains else None
@@ -126,36 +127,34 @@ def check_debug_modes(res: Resolution, job: JobSpec) -> None:
     _check_debug_dumps(res, job)
 
 
-# the debug dumps each job writes: rollouts (as generated and scored), train data (what the trainer took)
-_ROLLOUT_DUMPS = ("rl", "rollout-only")
-_TRAIN_DUMPS = ("rl",)
-
-
 def _check_debug_dumps(res: Resolution, job: JobSpec) -> None:
     """`--dump-details DIR` fills the dump paths this job writes (`DIR/rollout_data/{rollout_id}.pt`,
     `DIR/train_data/{rollout_id}.pt`) unless set; a dump the job never writes is refused."""
-    if job.name == "rl" and res["load_debug_rollout_data"] is not None:
+    # a job that would start engines trains on saved rollouts instead (`train rl --load-debug-rollout-data`)
+    if job.starts_engines and job.trains_on_rollouts and res["load_debug_rollout_data"] is not None:
         if res["eval_interval"] is not None:
             res.fail(f"{res.show('eval_interval')}: training on saved rollouts starts no engine to evaluate with")
         if res["debug_rollout_only"]:
             res.fail(f"{res.show('debug_rollout_only')} and --load-debug-rollout-data exclude each other")
-    if res["load_debug_rollout_data"] is not None and job.name not in ("rl", "replay"):
+    if res["load_debug_rollout_data"] is not None and not job.trains_on_rollouts:
         res.fail(f"{res.show('load_debug_rollout_data')}: `miles {job.command}` trains on no saved rollout")
-    if res["debug_rollout_only"] and job.name not in ("rl", "rollout-only"):
+    if res["debug_rollout_only"] and not job.has_rollout_only_mode:
         res.fail(f"{res.show('debug_rollout_only')}: `miles {job.command}` has no rollout-only mode")
-    if res["save_debug_rollout_data"] is not None and job.name not in _ROLLOUT_DUMPS:
+    if res["save_debug_rollout_data"] is not None and not job.dumps_rollouts:
         res.fail(f"{res.show('save_debug_rollout_data')}: `miles {job.command}` makes no rollouts to save")
-    if res["save_debug_train_data"] is not None and job.name not in _TRAIN_DUMPS:
-        res.fail(f"{res.show('save_debug_train_data')}: `miles {job.command}` saves no train data (train rl does)")
+    if res["save_debug_train_data"] is not None and not job.dumps_train_data:
+        does = ", ".join(j.command for j in jobs_where(lambda j: j.dumps_train_data))
+        res.fail(f"{res.show('save_debug_train_data')}: `miles {job.command}` saves no train data ({does} does)")
     folder = res["dump_details"]
     if folder is None:
         return
-    if job.name not in _ROLLOUT_DUMPS:
-        res.fail(f"{res.show('dump_details')}: `miles {job.command}` writes no debug dumps (train rl, rollout-only)")
+    if not job.dumps_rollouts:
+        writers = ", ".join(j.command for j in jobs_where(lambda j: j.dumps_rollouts))
+        res.fail(f"{res.show('dump_details')}: `miles {job.command}` writes no debug dumps ({writers})")
     root = str(folder).rstrip("/")
     if res["save_debug_rollout_data"] is None:
         res.derive("save_debug_rollout_data", f"{root}/rollout_data/{{rollout_id}}.pt")
-    if job.name in _TRAIN_DUMPS and res["save_debug_train_data"] is None:
+    if job.dumps_train_data and res["save_debug_train_data"] is None:
         res.derive("save_debug_train_data", f"{root}/train_data/{{rollout_id}}.pt")
 
 

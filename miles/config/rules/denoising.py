@@ -13,7 +13,7 @@ def check_trained_steps(res: Resolution, job: JobSpec) -> None:
     from miles.sampling.trained_steps import grid_warnings
 
     try:
-        lines = grid_warnings(res, job.name)
+        lines = grid_warnings(res, job)
     except ValueError as exc:
         res.fail(f"{exc} (on the {res.show('diffusion_num_steps')} grid)")
     for line in lines:

@@ -34,8 +34,8 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
             f"{res.show('rollout_backend')} needs an sglang environment: build one with "
             "scripts/build_sglang_env.sh, or point --sglang-python (or $MILES_SGLANG_PYTHON) at its python"
         )
-    if job.name == "dmd2":
-        res.fail(f"{res.show('rollout_backend')}: train dmd2 samples its few-step student on the diffusers backend")
+    if job.distills:
+        res.fail(f"{res.show('rollout_backend')}: {job.command} samples its few-step student on the diffusers backend")
     for dest in ("diffusion_shared_prefix", "diffusion_post_sde_steps_ratio"):
         if res[dest] not in (None, False):
             res.fail(

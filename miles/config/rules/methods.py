@@ -71,7 +71,7 @@ def check_dpo(res: Resolution, job: JobSpec) -> None:
         )
     if not res["diffusion_dpo_beta"] > 0:
         res.fail(f"{res.show('diffusion_dpo_beta')} must be > 0 (the loss's inverse temperature)")
-    if job.name == "sft":
+    if job.trains_on_dataset:
         return  # offline: preference rows, no groups and no rewards
     for dest in DPO_UNREAD:
         if res[dest] != FLAGS_BY_DEST[dest].default:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.config.jobs import jobs_where
 from miles.config.resolution import Resolution
 
 if TYPE_CHECKING:
@@ -35,9 +36,6 @@ def check_env_vars(res: Resolution, job: JobSpec) -> None:
             res.fail(f"--train-env-vars: the value of {key!r} must be a string or number, got {value!r}")
 
 
-CI_JOBS = ("rl", "sft", "dmd2", "eval")  # the jobs that run `miles.runtime.ci_check` at their end
-
-
 def check_ci(res: Resolution, job: JobSpec) -> None:
     """--ci-test, --ci-metric-checker-key and --ci-metric-checker-threshold go together."""
     key, threshold = res["ci_metric_checker_key"], res["ci_metric_checker_threshold"]
@@ -53,8 +51,9 @@ def check_ci(res: Resolution, job: JobSpec) -> None:
     ]
     if missing:
         res.fail(f"{res.show('ci_test')} checks one metric: it requires {' and '.join(missing)}")
-    if job.name not in CI_JOBS:
-        res.fail(f"{res.show('ci_test')}: `miles {job.command}` runs no CI metric check (jobs: {', '.join(CI_JOBS)})")
+    if not job.runs_ci_check:  # the jobs that run `miles.runtime.ci_check` at their end
+        checked = ", ".join(j.name for j in jobs_where(lambda j: j.runs_ci_check))
+        res.fail(f"{res.show('ci_test')}: `miles {job.command}` runs no CI metric check (jobs: {checked})")
 
 
 def check_exports(res: Resolution, job: JobSpec) -> None:

@@ -34,7 +34,7 @@ def check_reward_guard(res: Resolution, job: JobSpec) -> None:
         return
     if gold is None:
         res.fail(f"{res.show('reward_guard')} acts on a held-out gold reward: set --gold-rm-type")
-    if job.name == "rl" and not res["eval_interval"]:
+    if job.guards_rewards and not res["eval_interval"]:
         res.fail(f"{res.show('reward_guard')} reads the gold reward of each evaluation: set --eval-interval N")
 
 

@@ -86,10 +86,10 @@ def check_colocate(res: Resolution, job: JobSpec) -> None:
 
 
 def check_rollout_gpus(res: Resolution, job: JobSpec) -> None:
-    if job.name == "sft" and res.source("rollout_num_gpus") == "cli":
+    if job.trains_on_dataset and res.source("rollout_num_gpus") == "cli":
         res.fail(
-            f"{res.show('rollout_num_gpus')}: `miles train sft` encodes its data set once, before training, in the "
-            "job's own process, so there are no encoder GPUs to reserve; drop the flag"
+            f"{res.show('rollout_num_gpus')}: `miles {job.command}` encodes its data set once, before training, "
+            "in the job's own process, so there are no encoder GPUs to reserve; drop the flag"
         )
     per_engine = res["rollout_num_gpus_per_engine"]
     engines = res["rollout_num_engines"]

@@ -374,16 +374,16 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
                 "step (sde_mask), which a custom backend does not implement; use the built-in backends"
             )
         known = METHODS.get(res["loss_type"])  # None under eval / rollout-only without a loss type
-        if job.name == "dmd2" or (known is not None and known.renoises_samples):
-            what = "`miles train dmd2`" if job.name == "dmd2" else res.show("loss_type")
+        if job.distills or (known is not None and known.renoises_samples):
+            what = f"`miles {job.command}`" if job.distills else res.show("loss_type")
             renoising = ", ".join(m.name for m in METHODS.values() if m.renoises_samples and m.jobs)
             res.fail(
                 f"{what}: model family 'ltx' trains Flow-GRPO, and SFT on its video stream only (the methods that "
                 f"re-noise clean samples, {renoising}, would need audio latents for the data)"
             )
-        if job.name == "sft" and not _has_patch_group(res["rollout_patch_group"]):
+        if job.trains_on_dataset and not _has_patch_group(res["rollout_patch_group"]):
             res.fail(
-                "`miles train sft` for model family 'ltx' trains the video stream only (the data has no audio) "
+                f"`miles {job.command}` for model family 'ltx' trains the video stream only (the data has no audio) "
                 f"and needs --rollout-patch-group {PATCH_GROUP} (audio<->video cross attention off), so the video "
                 "velocity does not depend on the audio it is not given"
             )

@@ -290,12 +290,12 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
                 f"{res.show('diffusion_guidance_scale_2')}: wan2_2 runs CFG only when --diffusion-guidance-scale "
                 "is > 1 (as WanPipeline), so the low-noise scale would be ignored"
             )
-        if job.name == "dmd2":
+        if job.distills:
             targets = res["update_weight_target_module"]
             parts = targets if isinstance(targets, (list, tuple)) else str(targets or "transformer").split(",")
             if set(EXPERTS) - {str(p).strip() for p in parts}:
                 res.fail(
-                    f"{res.show('update_weight_target_module')}: `miles train dmd2` with wan2_2 trains a student "
+                    f"{res.show('update_weight_target_module')}: `miles {job.command}` with wan2_2 trains a student "
                     "whose timesteps cross the expert boundary, so it needs both experts (use "
                     "--update-weight-target-module transformer,transformer_2)"
                 )
