@@ -28,7 +28,7 @@ import torch
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.utils.atomic import atomic_open
-from miles.utils.text import clip, clip_repr
+from miles.utils.text import clip_repr, first_line
 
 T = TypeVar("T")
 
@@ -128,7 +128,7 @@ def load_rollout(path: str | os.PathLike) -> tuple[int | str, list[Sample], dict
             raise ConfigError(
                 f"{path}: holds an object a rollout file may not contain{detail}; only {_ALLOWED} load safely"
             ) from None
-        first = clip((str(exc).strip().splitlines() or [""])[0], 200)
+        first = first_line(exc)
         raise ConfigError(f"{path}: not a rollout file (cannot read it: {type(exc).__name__}: {first})") from None
     if not isinstance(payload, dict) or "rollout_id" not in payload or not isinstance(payload.get("samples"), list):
         raise ConfigError(f"{path}: not a rollout file (expected a dict with 'rollout_id' and a 'samples' list)")
@@ -142,7 +142,7 @@ def load_rollout(path: str | os.PathLike) -> tuple[int | str, list[Sample], dict
         try:
             samples.append(Sample.from_dict(row))
         except (TypeError, ValueError, KeyError) as exc:
-            first = clip((str(exc).strip().splitlines() or [""])[0], 200)
+            first = first_line(exc)
             raise ConfigError(f"{path}: samples[{i}] is not a sample ({first})") from None
     extra = payload.get("extra")
     if extra is not None and not isinstance(extra, dict):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from miles.core.errors import ConfigError
 from miles.preflight import checkpoint, cluster, data, hooks, memory, models, replay, rewards, several_hosts
 from miles.preflight.base import Check, PreflightWarning
-from miles.utils.text import clip
+from miles.utils.text import first_line
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -77,9 +77,8 @@ def run_checks(resolved: ResolvedJob, checks: tuple[Check, ...] = CHECKS) -> Rep
         except ConfigError as exc:
             report.problems.append(str(exc))
         except Exception as exc:  # a bug in a check must not stop a job the runtime could run
-            first = (str(exc).strip().splitlines() or [""])[0]
             line = (
-                f"preflight check {check.name!r} could not run ({type(exc).__name__}: {clip(first, 200)}), so what "
+                f"preflight check {check.name!r} could not run ({type(exc).__name__}: {first_line(exc)}), so what "
                 "it checks was not checked; please report this as a bug"
             )
             report.failed.append(line)

@@ -13,6 +13,11 @@ def clip(text: str, limit: int = CLIP) -> str:
     return f"{text[:head]}... ({len(text):,} chars)"
 
 
+def first_line(text: object, limit: int = 200) -> str:
+    """The first line of `text` (an exception's message, say), clipped to `limit` characters."""
+    return clip((str(text).strip().splitlines() or [""])[0], limit)
+
+
 def clip_repr(value: object, limit: int = CLIP) -> str:
     """`repr(value)` in about `limit` characters; a huge value is never rendered whole."""
     if isinstance(value, str) and len(value) > limit:

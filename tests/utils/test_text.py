@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles.core.errors import ConfigError
-from miles.utils.text import LINE, LINES, bounded, clip, clip_repr
+from miles.utils.text import LINE, LINES, bounded, clip, clip_repr, first_line
 
 
 def test_clip_keeps_what_fits_and_says_how_long_the_rest_was() -> None:
@@ -13,6 +13,13 @@ def test_clip_keeps_what_fits_and_says_how_long_the_rest_was() -> None:
     assert clip("x" * 1000, 10) == "xxxxxxx... (1,000 chars)"
     assert clip_repr("y" * 500, 5) == "'yyyyy'... (500 chars)"
     assert clip_repr(list(range(300)), 80) == "a list of 300 items"
+
+
+def test_first_line_is_the_clipped_head_of_a_message() -> None:
+    assert first_line(KeyError("label")) == "'label'"
+    assert first_line(ValueError("  bad row\n  at line 3")) == "bad row"
+    assert first_line(ValueError("")) == ""
+    assert first_line("k" * 1000) == "k" * 197 + "... (1,000 chars)"
 
 
 def test_bounded_clips_each_line_and_the_number_of_lines() -> None:
