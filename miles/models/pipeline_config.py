@@ -8,7 +8,6 @@ the registry.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -22,29 +21,7 @@ from miles.models.scheduler_grid import (
     live_scheduler_config,
 )
 from miles.models.sglang_adapter import SglangAdapter
-
-
-def import_dotted(path: str) -> Any:
-    """Import `pkg.module.attr` (or `pkg.module:attr`) and return the attribute."""
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-        obj: Any = importlib.import_module(module_name)
-        for part in attr_path.split("."):
-            obj = getattr(obj, part)
-        return obj
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError as exc:
-            # Only swallow "this prefix is not a module"; a missing dependency inside it is a real error.
-            if exc.name is None or not ".".join(parts[:cut]).startswith(exc.name):
-                raise
-            continue
-        for part in parts[cut:]:
-            obj = getattr(obj, part)
-        return obj
-    raise ImportError(f"cannot import {path!r}: expected a dotted path 'package.module.attr'")
+from miles.utils.dotted import import_dotted
 
 
 def target_components(value: Any) -> tuple[str, ...]:

@@ -162,7 +162,7 @@ def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) 
 def build_scorer(settings: RewardSettings, rm_type: str) -> Scorer:
     """The in-process scorer of a built-in reward type (models load once per process, cached)."""
     check_settings(settings, rm_type)
-    from miles.models.pipeline_config import import_dotted
+    from miles.utils.dotted import import_dotted
 
     build = REWARD_TYPES[rm_type].build
     assert build is not None, rm_type
@@ -265,7 +265,7 @@ def resolve_rm_type(args: Any, sample: Sample) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_custom_rm(path: str) -> Callable[..., Any]:
-    from miles.models.pipeline_config import import_dotted
+    from miles.utils.dotted import import_dotted
 
     try:
         fn = import_dotted(path)
