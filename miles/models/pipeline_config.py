@@ -366,12 +366,17 @@ class TrainPipelineConfig(SglangAdapter):
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.transformer.config.in_channels)
 
-    def check_video_geometry(self, height: int, width: int, num_frames: int, spatial: int, temporal: int) -> None:
-        """ValueError naming the flags unless the size is a multiple of `spatial` and the frame count is 1 + a
-        multiple of `temporal` (a video VAE's compression; the video families' `latent_shape` and grid read it)."""
-        if height % spatial or width % spatial:
+    def video_latent_grid(
+        self, height: int, width: int, num_frames: int, spatial: int, temporal: int, size_multiple: int | None = None
+    ) -> tuple[int, int, int]:
+        """The latent grid (f, h, w) of a video VAE that compresses `spatial` x `spatial` pixels and `temporal` frames
+        into one latent cell (the first frame alone): f = (frames - 1) / temporal + 1. ValueError naming the flags
+        unless the size is a multiple of `size_multiple` (default `spatial`; e.g. whole patches of cells) and the
+        frame count is 1 + a multiple of `temporal` (the video families' `latent_shape` and grid read it)."""
+        multiple = spatial if size_multiple is None else size_multiple
+        if height % multiple or width % multiple:
             raise ValueError(
-                f"--diffusion-height/--diffusion-width must be multiples of {spatial} for model family "
+                f"--diffusion-height/--diffusion-width must be multiples of {multiple} for model family "
                 f"{self.name!r}, got {height}x{width}"
             )
         if num_frames < 1 or (num_frames - 1) % temporal:
@@ -379,6 +384,7 @@ class TrainPipelineConfig(SglangAdapter):
                 f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
                 f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
             )
+        return (num_frames - 1) // temporal + 1, height // spatial, width // spatial
 
     def latent_shape(self, pipe: Any, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """The natural-layout shape (C, h, w) of one latent for an image of `height` x `width` (a video
