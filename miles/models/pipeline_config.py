@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 from miles.core.errors import ConfigError
 from miles.models.scheduler_grid import (
     FLOW_MATCH_EULER,
-    _token_count,
     dynamic_shift_mu,
     flow_match_euler_grid,
     live_scheduler_config,
+    resolve_token_count,
 )
 from miles.models.sglang_adapter import SglangAdapter
 from miles.utils.dotted import import_dotted
@@ -209,7 +209,7 @@ class TrainPipelineConfig(SglangAdapter):
         sigmas = np.linspace(1.0, 1.0 / num_steps, num_steps) if self.pipeline_sigmas else None
         mu = None
         if config.get("use_dynamic_shifting", False):
-            mu = dynamic_shift_mu(_token_count(token_count, self.name), config)
+            mu = dynamic_shift_mu(resolve_token_count(token_count, self.name), config)
         out_sigmas, timesteps = flow_match_euler_grid(config, num_steps, sigmas=sigmas, mu=mu)
         return [float(x) for x in out_sigmas], [float(x) for x in timesteps]
 
