@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from miles.rewards.scorers._model import model_scorer
-from miles.rewards.scorers.clip_score import ChunkedFrameScorer, frozen_clip, projected, resolve_device
+from miles.rewards.scorers.clip_score import ChunkedFrameScorer, frozen_clip, projected
 
 if TYPE_CHECKING:
     from miles.rewards.dispatch import RewardSettings, Scorer
@@ -80,8 +80,7 @@ class AestheticScorer(ChunkedFrameScorer):
         num_frames: int | None = None,
         device: str | None = None,
     ) -> None:
-        super().__init__(batch_size, num_frames)
-        self.device = resolve_device(device)
+        super().__init__(batch_size, num_frames, device)
         self.processor, self.clip = frozen_clip(clip_path, None, self.device)
         width = int(self.clip.config.projection_dim)
         state = load_mlp_state_dict(model_path)

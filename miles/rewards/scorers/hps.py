@@ -39,7 +39,6 @@ from miles.rewards.scorers.clip_score import (
     clip_pixels,
     module_from_state_dict,
     projected,
-    resolve_device,
 )
 
 if TYPE_CHECKING:
@@ -213,10 +212,9 @@ class HpsScorer(ChunkedFrameScorer):
         vision_heads: int | None = None,
         text_heads: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_frames)
+        super().__init__(batch_size, num_frames, device)
         from transformers import AutoTokenizer
 
-        self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         config, state = open_clip_to_hf(
             load_open_clip_state_dict(model_path),

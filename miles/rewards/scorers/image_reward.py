@@ -47,7 +47,6 @@ from miles.rewards.scorers.clip_score import (
     ChunkedFrameScorer,
     clip_pixels,
     module_from_state_dict,
-    resolve_device,
 )
 
 if TYPE_CHECKING:
@@ -196,10 +195,9 @@ class ImageRewardScorer(ChunkedFrameScorer):
         vision_heads: int | None = None,
         text_heads: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_frames)
+        super().__init__(batch_size, num_frames, device)
         from transformers import AutoTokenizer, BlipTextModel, BlipVisionModel
 
-        self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         pad = self.tokenizer.pad_token_id
         vision_config, text_config, vision, text, mlp = image_reward_to_hf(
