@@ -34,7 +34,7 @@ __all__ = ["TINY_FLUX_NAME", "BuildReport", "build_tiny_flux"]
 TINY_FLUX_NAME = "tiny-flux"
 SGLANG_MODEL_ID = "FLUX.1-dev"
 
-CLIP_HIDDEN = 32  # == pooled_projection_dim (FluxPipeline feeds CLIPTextModel's pooler_output)
+CLIP_HIDDEN = C.CLIP_HIDDEN  # == pooled_projection_dim (FluxPipeline feeds CLIPTextModel's pooler_output)
 T5_D_MODEL = C.JOINT_ATTENTION_DIM  # 64 == joint_attention_dim
 ATTENTION_HEAD_DIM = 16
 NUM_ATTENTION_HEADS = 4
@@ -60,20 +60,9 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 
 def make_clip_text_encoder(seed: int, tok: dict[str, int]) -> Any:
     """FLUX's CLIP-L stand-in: a `CLIPTextModel` (no projection; the pipeline uses its pooled output)."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
-    config = CLIPTextConfig(
-        vocab_size=tok["clip_vocab_size"],
-        hidden_size=CLIP_HIDDEN,
-        intermediate_size=2 * CLIP_HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=77,
-        bos_token_id=tok["clip_bos_id"],
-        eos_token_id=tok["clip_eos_id"],
-        pad_token_id=tok["clip_pad_id"],
-        hidden_act="quick_gelu",
-    )
+    config = C.clip_text_config(tok)
     seeded(seed, "text_encoder", SEED_OFFSETS)
     return CLIPTextModel(config).eval()
 
