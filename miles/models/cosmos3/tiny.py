@@ -199,11 +199,7 @@ class TinyCosmos3Build(DigitFramesBuild):
                 "latents_std": self.latents_std,
                 "spatial_compression": SPATIAL_COMPRESSION,
                 "temporal_compression": TEMPORAL_COMPRESSION,
-                "fit_steps": self.vae_steps,
-                "batch_size": VAE_BATCH_SIZE,
-                "lr": VAE_LR,
-                "test_mse": round(self.vae_mse, 6),
-                "test_reconstruction_accuracy": self.recon_accuracy,
+                **self.vae_fit_fields(VAE_BATCH_SIZE, VAE_LR),
             },
             "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
         }

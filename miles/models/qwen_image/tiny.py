@@ -272,11 +272,7 @@ class TinyQwenImageBuild(DigitFramesBuild):
             "vae": {
                 "latents_mean": self.latents_mean,
                 "latents_std": self.latents_std,
-                "fit_steps": self.vae_steps,
-                "batch_size": VAE_BATCH_SIZE,
-                "lr": VAE_LR,
-                "test_mse": round(report.vae_test_mse, 6),
-                "test_reconstruction_accuracy": report.vae_recon_accuracy,
+                **self.vae_fit_fields(VAE_BATCH_SIZE, VAE_LR),
             },
             "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
         }

@@ -60,6 +60,16 @@ class TinyBuild:
         """What the build's metadata file holds before `report_fields(report)` (the timings and versions)."""
         raise NotImplementedError
 
+    def vae_fit_fields(self, batch_size: int, lr: float) -> dict[str, Any]:
+        """The fit and its scores: the last fields of an image or digit-frames build's `vae` metadata entry."""
+        return {
+            "fit_steps": self.vae_steps,
+            "batch_size": batch_size,
+            "lr": lr,
+            "test_mse": round(self.vae_mse, 6),
+            "test_reconstruction_accuracy": self.recon_accuracy,
+        }
+
     # ---- the VAE: made, fitted to `self.train`, normalised, and scored on `self.test` -----------------
     recon_batch_size = 64  # the reconstructions' encode/decode batch
 
@@ -202,11 +212,7 @@ class DigitsImageBuild(TinyBuild):
             "vae": {
                 "shift_factor": self.shift,
                 "scaling_factor": self.scale,
-                "fit_steps": self.vae_steps,
-                "batch_size": VAE_BATCH_SIZE,
-                "lr": VAE_LR,
-                "test_mse": round(report.vae_test_mse, 6),
-                "test_reconstruction_accuracy": report.vae_recon_accuracy,
+                **self.vae_fit_fields(VAE_BATCH_SIZE, VAE_LR),
             },
             "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
         }
