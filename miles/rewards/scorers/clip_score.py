@@ -32,6 +32,7 @@ and `clip_pixels` (open_clip's / OpenAI CLIP's eval transform, without torchvisi
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -207,6 +208,29 @@ def module_from_state_dict(build: Callable[[], Any], state: Mapping[str, Any]) -
                 raise RuntimeError(f"buffer {name!r} of {type(sub).__name__} is not in the checkpoint")
             setattr(sub, name, torch.arange(buf.shape[-1]).expand(tuple(buf.shape)).clone())
     return module
+
+
+def load_state_dict(path: str, what: str) -> dict[str, Any]:
+    """The state dict saved at `path`: a plain one, or one under "state_dict"; "module." prefixes dropped.
+    ValueError naming `what` it should be when the file holds something else."""
+    import torch
+
+    state = torch.load(str(path), map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected {what}, got {type(state).__name__}")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def count_numbered(state: Mapping[str, Any], prefix: str, kind: str, source: str) -> int:
+    """How many blocks `prefix0.`, `prefix1.`, ... the state dict holds; ValueError (naming the `kind` of block and
+    the `source`) unless there are some, numbered from 0 without gaps."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    found = {int(m.group(1)) for k in state if (m := pattern.match(k))}
+    if not found or found != set(range(len(found))):
+        raise ValueError(f"expected {kind} {prefix}0.. in {source}, found {sorted(found) or 'none'}")
+    return len(found)
 
 
 class ClipModelScorer(ChunkedFrameScorer):
