@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.tiny import components as C
-from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.build import BuildReport
 from miles.models.tiny.components import seeded
 from miles.models.tiny.frame import DigitsImageBuild
 from miles.models.tiny.vae_fit import VAE_STEPS
@@ -134,8 +134,4 @@ def build_tiny_flux(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-flux into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
-    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
-
-
-def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    return TinyFluxBuild(tmp, seed, vae_steps).run(progress)
+    return TinyFluxBuild.build(out_dir, seed, progress, vae_steps)

@@ -22,7 +22,15 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import PHASES, BuildReport, Progress, library_versions, phase_timer, pipeline_report
+from miles.models.tiny.build import (
+    PHASES,
+    BuildReport,
+    Progress,
+    build_atomically,
+    library_versions,
+    phase_timer,
+    pipeline_report,
+)
 from miles.models.tiny.metadata import TINY_METADATA_FILE
 
 
@@ -111,6 +119,16 @@ class TinyBuild:
     def vae_step(self, step: int, loss: float) -> None:
         assert self.bar is not None
         self.bar.advance()
+
+    @classmethod
+    def build(cls, out_dir: str | Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+        """Build into `out_dir` (which must not exist, or be empty; `build_atomically`): timings and accuracies."""
+        return build_atomically(out_dir, lambda tmp: cls.build_into(tmp, seed, progress, vae_steps))
+
+    @classmethod
+    def build_into(cls, tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+        """The build in the temporary folder `tmp` that `build` renames into place."""
+        return cls(tmp, seed, vae_steps).run(progress)
 
     def run(self, progress: bool) -> BuildReport:
         start = time.perf_counter()
