@@ -37,7 +37,7 @@ def trace_vs_plain() -> tuple[float, float, float]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from miles.config.resolve import resolve
-    from miles.memory.activations import _GuidedStep, _inputs, _materialize, _module, trace_step
+    from miles.memory.activations import GuidedStep, materialize, step_inputs, step_module, trace_step
     from miles.memory.config_dirs import config_dir_for
     from miles.memory.step import read_configs, train_spec
     from miles.models.families import args_family
@@ -54,11 +54,11 @@ def trace_vs_plain() -> tuple[float, float, float]:
 
     start = time.perf_counter()
     dtype = getattr(torch, spec.forward_dtype)
-    model = _module(config_dir, family, spec, dtype)
+    model = step_module(config_dir, family, spec, dtype)
     with FakeTensorMode():
-        _materialize(model)
-        x, t, cond = _inputs(spec, dtype)
-        _GuidedStep(model, family, 4.5 if spec.cfg else None)(x, t, cond).float().pow(2).mean().backward()
+        materialize(model)
+        x, t, cond = step_inputs(spec, dtype)
+        GuidedStep(model, family, 4.5 if spec.cfg else None)(x, t, cond).float().pow(2).mean().backward()
     plain = time.perf_counter() - start
     return ours, plain, traced["transient_peak"] / 1024**3
 

@@ -65,14 +65,14 @@ def custom_scorer(args: Any, path: str) -> Any:
     import asyncio
 
     from miles.core.sample import Sample
-    from miles.rewards.dispatch import _custom_rm
+    from miles.rewards.dispatch import custom_rewards
 
     def score(images: Any, prompts: Any, metadata: Any) -> list[float]:
         samples = [
             Sample(index=i, group_index=i, prompt=str(p), metadata=dict(m), image=_tensor(im))
             for i, (im, p, m) in enumerate(zip(images, prompts, metadata, strict=True))
         ]
-        rewards = asyncio.run(_custom_rm(args, samples, path))
+        rewards = asyncio.run(custom_rewards(args, samples, path))
         key = args.reward_key
         out = []
         for reward in rewards:

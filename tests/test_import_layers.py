@@ -18,7 +18,8 @@ rollout, config or trainer.
 
 A torch-free table may sit below its package (`MODULE_FLOORS`): `builtin/names.py`, the catalogue of the embedded
 default, is on the floor of utils, so the config's rules, the models' metadata and the denoising grid may read the
-built-in names.
+built-in names. The one dotted-path loader, `utils/dotted.py` (it imports nothing of miles), is on the floor of core,
+which resolves `ENSURE_INPUT` with it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ GROUND_FACES = ("rewards",)
 # package.module -> the floor it sits on, below its package's (a table the lower floors read)
 MODULE_FLOORS = {
     "builtin.names": "utils",
+    "utils.dotted": "core",
 }
 
 

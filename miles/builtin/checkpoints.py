@@ -14,8 +14,8 @@ from pathlib import Path
 from miles.builtin.names import BUILTIN_MODELS, SFT_TEACHERS, TINY_BUILDERS, is_builtin_model
 from miles.builtin.teachers import build_digits_teacher, is_current
 from miles.core.errors import ConfigError
-from miles.models.pipeline_config import import_dotted
 from miles.models.tiny.metadata import METADATA_FILES, built_design, current_design
+from miles.utils.dotted import import_dotted
 from miles.utils.paths import file_lock, models_dir
 
 

@@ -1,4 +1,5 @@
-"""The ground floor: the words every layer shares, importing nothing else of miles (torch-free but `sample`).
+"""The ground floor: the words every layer shares, importing nothing else of miles but the dotted-path loader
+(`miles.utils.dotted`, on this floor) (torch-free but `sample`).
 
 errors   ConfigError (a user mistake: one line, exit 2), RuntimeUnavailable, EngineFailure
 sample   the rollout data contract: Sample, Trajectory, Conditions and the sample statuses

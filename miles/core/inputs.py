@@ -8,7 +8,6 @@ skipped the job's preparation) builds it there, under the same lock as the drive
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -30,5 +29,6 @@ def input_path(args: Any, value: str | os.PathLike | None) -> Path | None:
 
 def ensure_builtin(name: str, path: Path) -> Path:
     """The built-in input `name` at `path` (its place under `$MILES_HOME`), built first if it is not there."""
-    module, _, function = ENSURE_INPUT.partition(":")
-    return getattr(importlib.import_module(module), function)(name, path)
+    from miles.utils.dotted import import_dotted  # the one loader, on this floor
+
+    return import_dotted(ENSURE_INPUT)(name, path)

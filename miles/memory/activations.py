@@ -66,7 +66,7 @@ def _peak_tracker_class() -> type:
     return PeakTracker
 
 
-class _GuidedStep(torch.nn.Module):
+class GuidedStep(torch.nn.Module):
     """The family's guided forward as one root module: MemTracker refuses a second root-level call of a module, and
     a family that does not batch CFG calls the DiT twice per step."""
 
@@ -79,7 +79,8 @@ class _GuidedStep(torch.nn.Module):
         return self.family.guided_velocity(self.model, x, t, cond, neg, self.cfg_scale)
 
 
-def _module(config_dir: Path, family: Any, spec: StepSpec, dtype: torch.dtype) -> torch.nn.Module:
+def step_module(config_dir: Path, family: Any, spec: StepSpec, dtype: torch.dtype) -> torch.nn.Module:
+    """The denoiser `spec` steps (one expert of an expert family), its LoRA and gradient checkpointing applied."""
     lora = LoraSpec(spec.lora[0], spec.lora[1], tuple(spec.lora[2])) if spec.lora else None
     if family.experts:
         model = build_component(config_dir, spec.components[0], dtype)
@@ -94,7 +95,7 @@ def _module(config_dir: Path, family: Any, spec: StepSpec, dtype: torch.dtype) -
     return model.train() if spec.grad else model.eval()
 
 
-def _materialize(model: torch.nn.Module) -> None:
+def materialize(model: torch.nn.Module) -> None:
     """Inside FakeTensorMode: every parameter, buffer and plain tensor attribute becomes an empty fake 'cpu' tensor
     of its shape and dtype."""
     for module in model.modules():
@@ -110,7 +111,7 @@ def _materialize(model: torch.nn.Module) -> None:
                 setattr(module, name, torch.empty(value.shape, dtype=value.dtype, device="cpu"))
 
 
-def _inputs(
+def step_inputs(
     spec: StepSpec, dtype: torch.dtype, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """The micro-batch of `spec`: latents, timesteps, conditions (random floats; integer inputs are ones)."""
@@ -137,16 +138,16 @@ def trace_step(config_dir: Path, family: Any, spec: StepSpec) -> dict[str, Any]:
 
     start = time.perf_counter()
     dtype = getattr(torch, spec.forward_dtype)
-    model = _module(config_dir, family, spec, dtype)
+    model = step_module(config_dir, family, spec, dtype)
     tracker_cls = _peak_tracker_class()
     with quiet_loading(), FakeTensorMode():
-        _materialize(model)
-        x, t, cond = _inputs(spec, dtype)
+        materialize(model)
+        x, t, cond = step_inputs(spec, dtype)
         tracker = tracker_cls()
         tracker.skip_frozen(model)
         tracker.track_external(model, x, t, *(v for v in cond.values() if v is not None))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        step = _GuidedStep(model, family, 4.5 if spec.cfg else None)
+        step = GuidedStep(model, family, 4.5 if spec.cfg else None)
         with tracker:
             with torch.set_grad_enabled(spec.grad):
                 v = step(x, t, cond)

@@ -50,12 +50,12 @@ def _unique_numel(module: torch.nn.Module) -> int:
 
 def fsdp_groups(model: torch.nn.Module, block_lists: Iterable[str]) -> FsdpGroups:
     """Parameter counts of the blocks FSDP2 shards one by one (`miles.training.model.shard`), and the root's."""
-    from miles.training.model import _submodules
+    from miles.training.model import submodules
 
     sizes: dict[int, int] = {}
     in_blocks = 0
     for path in block_lists:
-        for block in _submodules(model, path):
+        for block in submodules(model, path):
             n = _unique_numel(block)
             sizes[n] = sizes.get(n, 0) + 1
             in_blocks += n

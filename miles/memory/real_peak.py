@@ -35,7 +35,7 @@ def profiled_peak(fn: Any) -> int:
 
 def real_step(config_dir: Path, family: Any, spec: StepSpec, seed: int = 0) -> tuple[torch.nn.Module, Any]:
     """(the module with its real weights, a closure running the step once) on CPU."""
-    from miles.memory.activations import _GuidedStep, _inputs
+    from miles.memory.activations import GuidedStep, step_inputs
     from miles.models.loading import quiet_loading
     from miles.training.model import enable_gradient_checkpointing
 
@@ -62,8 +62,8 @@ def real_step(config_dir: Path, family: Any, spec: StepSpec, seed: int = 0) -> t
     if spec.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.train() if spec.grad else model.eval()
-    x, t, cond = _inputs(spec, dtype, torch.Generator().manual_seed(seed))
-    step = _GuidedStep(model, family, 4.5 if spec.cfg else None)
+    x, t, cond = step_inputs(spec, dtype, torch.Generator().manual_seed(seed))
+    step = GuidedStep(model, family, 4.5 if spec.cfg else None)
 
     def run() -> None:
         with torch.set_grad_enabled(spec.grad):

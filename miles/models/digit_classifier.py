@@ -33,7 +33,8 @@ _CHANNELS = (1, 3, 4)
 
 
 # ---- images -> 8x8 digits ----------------------------------------------------------------------
-def _to_numpy(x: Any) -> np.ndarray:
+def to_numpy(x: Any) -> np.ndarray:
+    """An array of `x` (a torch tensor as float32 on the CPU, without importing torch)."""
     if hasattr(x, "detach"):  # torch.Tensor, without importing torch
         x = x.detach().float().cpu().numpy()
     return np.asarray(x)
@@ -70,7 +71,7 @@ def images_to_digits(images: Any, value_range: str = "auto") -> np.ndarray:
         if hasattr(item, "convert") and hasattr(item, "size"):  # PIL.Image
             arrays.append(np.asarray(item.convert("RGB"), dtype=np.uint8)[None])
         else:
-            arrays.append(_as_nhwc(_to_numpy(item)))
+            arrays.append(_as_nhwc(to_numpy(item)))
     floats = [a for a in arrays if a.dtype != np.uint8]
     lo = min((float(a.min()) for a in floats if a.size), default=0.0)
     signed = value_range == "-1,1" or (value_range == "auto" and lo < -0.05)
@@ -96,9 +97,9 @@ def videos_to_digits(videos: Any, value_range: str = "auto") -> np.ndarray:
     from miles.data.digits_video import crop_digits
 
     if not isinstance(videos, (list, tuple)):
-        arr = _to_numpy(videos)
+        arr = to_numpy(videos)
         videos = list(arr) if arr.ndim == 5 else [arr]
-    arrays = [_to_numpy(v).astype(np.float32) for v in videos]
+    arrays = [to_numpy(v).astype(np.float32) for v in videos]
     lo = min((float(a.min()) for a in arrays if a.size), default=0.0)
     signed = value_range == "-1,1" or (value_range == "auto" and lo < -0.05)
     out = []
@@ -115,7 +116,7 @@ def digits_to_features(x8: np.ndarray) -> np.ndarray:
 
 
 # ---- the classifier ----------------------------------------------------------------------------
-def _moving_digit_crops(x8: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def moving_digit_crops(x8: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every frame of each digit's moving video (directions in turn), read as `videos_to_digits` reads it."""
     from miles.data.digits_video import DIRECTIONS, NUM_FRAMES, render_video
 
@@ -135,8 +136,8 @@ def fit_digit_classifier(seed: int = 0, video: bool = False) -> tuple[Any, dict[
     split = load_digits_split(seed)
     train_x, train_y, test_x, test_y = split.train_x, split.train_y, split.test_x, split.test_y
     if video:
-        train_x, train_y = _moving_digit_crops(train_x, train_y)
-        test_x, test_y = _moving_digit_crops(test_x, test_y)
+        train_x, train_y = moving_digit_crops(train_x, train_y)
+        test_x, test_y = moving_digit_crops(test_x, test_y)
     clf = CalibratedClassifierCV(SVC(C=5.0, gamma="scale"), method="temperature", ensemble=False, cv=5)
     clf.fit(digits_to_features(train_x), train_y)
     pred = clf.predict(digits_to_features(test_x))
@@ -193,7 +194,8 @@ def load_digit_classifier(path: str | Path | None = None) -> Any:
     return _load_cached(str(folder.resolve()))
 
 
-def _classifier(classifier: Any) -> Any:
+def as_classifier(classifier: Any) -> Any:
+    """The fitted classifier: `classifier` itself, or the one saved at that path (None: the default's)."""
     if classifier is None or isinstance(classifier, (str, Path)):
         return load_digit_classifier(classifier)
     return classifier

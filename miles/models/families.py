@@ -23,7 +23,8 @@ from pathlib import PurePath
 from typing import Any
 
 from miles.core.errors import ConfigError
-from miles.models.pipeline_config import TrainPipelineConfig, import_dotted
+from miles.models.pipeline_config import TrainPipelineConfig
+from miles.utils.dotted import import_dotted
 
 FAMILY_ENV = "MILES_DIFFUSION_MODEL_FAMILY"
 FAMILY_FLAG = "--diffusion-model-family"

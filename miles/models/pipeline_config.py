@@ -8,7 +8,6 @@ the registry.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -16,35 +15,13 @@ from typing import Any, ClassVar
 from miles.core.errors import ConfigError
 from miles.models.scheduler_grid import (
     FLOW_MATCH_EULER,
-    _token_count,
     dynamic_shift_mu,
     flow_match_euler_grid,
     live_scheduler_config,
+    resolve_token_count,
 )
 from miles.models.sglang_adapter import SglangAdapter
-
-
-def import_dotted(path: str) -> Any:
-    """Import `pkg.module.attr` (or `pkg.module:attr`) and return the attribute."""
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-        obj: Any = importlib.import_module(module_name)
-        for part in attr_path.split("."):
-            obj = getattr(obj, part)
-        return obj
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError as exc:
-            # Only swallow "this prefix is not a module"; a missing dependency inside it is a real error.
-            if exc.name is None or not ".".join(parts[:cut]).startswith(exc.name):
-                raise
-            continue
-        for part in parts[cut:]:
-            obj = getattr(obj, part)
-        return obj
-    raise ImportError(f"cannot import {path!r}: expected a dotted path 'package.module.attr'")
+from miles.utils.dotted import import_dotted
 
 
 def target_components(value: Any) -> tuple[str, ...]:
@@ -232,7 +209,7 @@ class TrainPipelineConfig(SglangAdapter):
         sigmas = np.linspace(1.0, 1.0 / num_steps, num_steps) if self.pipeline_sigmas else None
         mu = None
         if config.get("use_dynamic_shifting", False):
-            mu = dynamic_shift_mu(_token_count(token_count, self.name), config)
+            mu = dynamic_shift_mu(resolve_token_count(token_count, self.name), config)
         out_sigmas, timesteps = flow_match_euler_grid(config, num_steps, sigmas=sigmas, mu=mu)
         return [float(x) for x in out_sigmas], [float(x) for x in timesteps]
 
@@ -389,12 +366,17 @@ class TrainPipelineConfig(SglangAdapter):
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.transformer.config.in_channels)
 
-    def check_video_geometry(self, height: int, width: int, num_frames: int, spatial: int, temporal: int) -> None:
-        """ValueError naming the flags unless the size is a multiple of `spatial` and the frame count is 1 + a
-        multiple of `temporal` (a video VAE's compression; the video families' `latent_shape` and grid read it)."""
-        if height % spatial or width % spatial:
+    def video_latent_grid(
+        self, height: int, width: int, num_frames: int, spatial: int, temporal: int, size_multiple: int | None = None
+    ) -> tuple[int, int, int]:
+        """The latent grid (f, h, w) of a video VAE that compresses `spatial` x `spatial` pixels and `temporal` frames
+        into one latent cell (the first frame alone): f = (frames - 1) / temporal + 1. ValueError naming the flags
+        unless the size is a multiple of `size_multiple` (default `spatial`; e.g. whole patches of cells) and the
+        frame count is 1 + a multiple of `temporal` (the video families' `latent_shape` and grid read it)."""
+        multiple = spatial if size_multiple is None else size_multiple
+        if height % multiple or width % multiple:
             raise ValueError(
-                f"--diffusion-height/--diffusion-width must be multiples of {spatial} for model family "
+                f"--diffusion-height/--diffusion-width must be multiples of {multiple} for model family "
                 f"{self.name!r}, got {height}x{width}"
             )
         if num_frames < 1 or (num_frames - 1) % temporal:
@@ -402,6 +384,7 @@ class TrainPipelineConfig(SglangAdapter):
                 f"--diffusion-output-num-frames {num_frames}: model family {self.name!r} needs 1 + a multiple of "
                 f"{temporal} frames (the VAE's temporal factor), e.g. {temporal + 1} or {4 * temporal + 1}"
             )
+        return (num_frames - 1) // temporal + 1, height // spatial, width // spatial
 
     def latent_shape(self, pipe: Any, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """The natural-layout shape (C, h, w) of one latent for an image of `height` x `width` (a video

@@ -79,7 +79,8 @@ def live_scheduler_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**defaults, **config, "_class_name": name}
 
 
-def _token_count(token_count: int | Callable[[], int] | None, family: str) -> int:
+def resolve_token_count(token_count: int | Callable[[], int] | None, family: str) -> int:
+    """The image token count a dynamic shift reads (`token_count` or what it returns); ValueError without one."""
     if token_count is None:
         raise ValueError(f"model family {family!r}: a dynamic shift needs the image token count")
     return int(token_count() if callable(token_count) else token_count)

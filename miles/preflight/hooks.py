@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from miles.core.errors import ConfigError
 from miles.utils.deadline import alarm
+from miles.utils.dotted import import_dotted, unfinished_module
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -150,8 +151,7 @@ def check_object(hook: Hook, path: str, flag: str, obj: Any) -> None:
             raise ConfigError(f"{flag} {path!r}: names a {type(obj).__name__}, not a class; expected {hook.call}")
         if hook.base is not None:
             module, _, name = hook.base.partition(":")
-            base = getattr(importlib.import_module(module), name)
-            if not issubclass(obj, base):
+            if not issubclass(obj, import_dotted(hook.base)):
                 raise ConfigError(f"{flag} {path!r}: {obj.__name__} is not a subclass of {module}.{name}")
     elif not callable(obj):
         raise ConfigError(f"{flag} {path!r}: names a {type(obj).__name__}, not a function; expected {hook.call}")
@@ -201,28 +201,11 @@ def _silenced() -> Iterator[None]:
         sys.stdin, sys.stdout, sys.stderr = saved
 
 
-def _unfinished_module(path: str) -> str:
-    """The first module on `path`'s way that is not imported: the one whose import stopped (a failed import is
-    removed from sys.modules)."""
-    dotted = path.partition(":")[0]
-    parts = dotted.split(".")
-    for cut in range(1, len(parts) + 1):
-        name = ".".join(parts[:cut])
-        if name not in sys.modules:
-            return name
-    return dotted
-
-
-def _exception_text(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
 def import_hook_object(path: str, flag: str, seconds: float | None = None) -> Any:
     """`load_object(path, flag)` (the runtime's loader), its output dropped, under a deadline (default
     `IMPORT_DEADLINE_S`); an exit, a BaseException or the deadline at import is a ConfigError naming `flag` and
     the module. KeyboardInterrupt (Ctrl-C) goes through."""
-    from miles.utils.hooks import load_object
+    from miles.utils.hooks import exception_line, load_object
 
     limit = IMPORT_DEADLINE_S if seconds is None else seconds
     try:
@@ -232,18 +215,18 @@ def import_hook_object(path: str, flag: str, seconds: float | None = None) -> An
         raise  # Ctrl-C; a ConfigError of the loader (an Exception at import is one already)
     except _ImportTimeout:
         raise ConfigError(
-            f"{flag} {path!r}: importing {_unfinished_module(path)!r} did not finish within {limit:g} s; a module "
+            f"{flag} {path!r}: importing {unfinished_module(path)!r} did not finish within {limit:g} s; a module "
             "must not wait at import (on a server, a lock, input()): do that inside the function"
         ) from None
     except SystemExit as exc:
         raise ConfigError(
-            f"{flag} {path!r}: cannot import module {_unfinished_module(path)!r} ({_exception_text(exc)}); it exits "
+            f"{flag} {path!r}: cannot import module {unfinished_module(path)!r} ({exception_line(exc)}); it exits "
             "when imported (sys.exit, or argparse's parse_args at module level): move that under "
             '`if __name__ == "__main__":`'
         ) from None
     except BaseException as exc:  # GeneratorExit, a BaseException subclass of the module's own
         raise ConfigError(
-            f"{flag} {path!r}: cannot import module {_unfinished_module(path)!r} ({_exception_text(exc)})"
+            f"{flag} {path!r}: cannot import module {unfinished_module(path)!r} ({exception_line(exc)})"
         ) from None
 
 

@@ -162,7 +162,7 @@ def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) 
 def build_scorer(settings: RewardSettings, rm_type: str) -> Scorer:
     """The in-process scorer of a built-in reward type (models load once per process, cached)."""
     check_settings(settings, rm_type)
-    from miles.models.pipeline_config import import_dotted
+    from miles.utils.dotted import import_dotted
 
     build = REWARD_TYPES[rm_type].build
     assert build is not None, rm_type
@@ -265,7 +265,7 @@ def resolve_rm_type(args: Any, sample: Sample) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_custom_rm(path: str) -> Callable[..., Any]:
-    from miles.models.pipeline_config import import_dotted
+    from miles.utils.dotted import import_dotted
 
     try:
         fn = import_dotted(path)
@@ -284,7 +284,8 @@ def _as_custom_reward(value: Any, path: str, name: str) -> Reward:
     return _as_reward_value(value, f"custom {path}", name)
 
 
-async def _custom_rm(args: Any, samples: list[Sample], path: str, **kwargs: Any) -> list[Reward]:
+async def custom_rewards(args: Any, samples: list[Sample], path: str, **kwargs: Any) -> list[Reward]:
+    """The rewards the `--custom-rm-path` function at `path` gives `samples` (a failure is a RewardError)."""
     fn = load_custom_rm(path)
     names = [describe_sample(s.index, s.prompt) for s in samples]
     try:
@@ -380,7 +381,7 @@ async def batched_async_rm(
         return []
     custom = _arg(args, "custom_rm_path")
     if custom is not None:
-        return await _custom_rm(args, samples, str(custom), **kwargs)
+        return await custom_rewards(args, samples, str(custom), **kwargs)
     rewards, _ = await _score_components(args, samples, pools)
     return list(rewards)
 

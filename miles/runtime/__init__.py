@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from miles.core.errors import ConfigError, RuntimeUnavailable
+from miles.utils.dotted import import_dotted
 
 if TYPE_CHECKING:
     from miles.config.resolve import ResolvedJob
@@ -61,13 +61,12 @@ def dispatch(resolved: ResolvedJob) -> int | None:
 
 def _driver(resolved: ResolvedJob) -> Callable[[ResolvedJob], int | None]:
     """The job's `run` function, named by its row of the job table as `module:function`."""
-    module_name, _, function = resolved.spec.driver.partition(":")
+    module_name = resolved.spec.driver.partition(":")[0]
     try:
-        module = importlib.import_module(module_name)
+        return import_dotted(resolved.spec.driver)
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise
         raise RuntimeUnavailable(
             f"the `miles {resolved.spec.command}` runtime is not available yet; the args above resolved cleanly"
         ) from None
-    return getattr(module, function)

@@ -88,7 +88,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
             module.enable_gradient_checkpointing()
 
 
-def _submodules(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
+def submodules(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
     """The blocks at dotted attribute `path` of `model` (an empty list when any part is missing)."""
     obj: Any = model
     for part in path.split("."):
@@ -200,7 +200,7 @@ def shard(
     alone = dist.is_initialized() and dist.get_world_size() == 1 and not args.fsdp_cpu_offload
     if not alone:
         for name in block_lists:
-            for block in _submodules(model, name):
+            for block in submodules(model, name):
                 fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

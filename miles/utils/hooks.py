@@ -1,23 +1,23 @@
 """Loading user hooks given as dotted import paths (`--*-path` flags). Torch-free.
 
 A path is `package.module.attribute` (the longest importable module prefix is used, so
-`pkg.mod.Class.method` works too) or `package.module:attribute`. Every failure is a ConfigError
-of one line naming the flag and the path. Every function loaded runs under --hook-timeout
+`pkg.mod.Class.method` works too) or `package.module:attribute` (`miles.utils.dotted`, the one loader). Every
+failure is a ConfigError of one line naming the flag and the path. Every function loaded runs under --hook-timeout
 (`miles.utils.deadline`).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 from miles.core.errors import ConfigError
 from miles.utils.deadline import timed
+from miles.utils.dotted import AttributeLookupError, DottedPathError, ModuleImportError, load_dotted
 
 
-def _one_line(exc: BaseException) -> str:
+def exception_line(exc: BaseException) -> str:
+    """`Type: the first line of its message` (the type alone for an empty message)."""
     text = str(exc).strip().splitlines()
     detail = text[0] if text else ""
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
@@ -28,39 +28,17 @@ def load_object(path: str, flag: str) -> Any:
     text = str(path).strip() if path is not None else ""
     if not text:
         raise ConfigError(f"{flag}: empty import path")
-    if ":" in text:
-        module_name, _, attr_path = text.partition(":")
-        attrs = attr_path.split(".") if attr_path else []
-    else:
-        parts = text.split(".")
-        if len(parts) < 2:
-            raise ConfigError(f"{flag} {text!r}: expected a dotted path 'package.module.name'")
-        # The longest importable module prefix: `a.b.c.d` tries `a.b.c`, then `a.b`, then `a`.
-        module_name, attrs = ".".join(parts[:-1]), parts[-1:]
-        for cut in range(len(parts) - 1, 0, -1):
-            candidate = ".".join(parts[:cut])
-            try:
-                found = importlib.util.find_spec(candidate) is not None
-            except Exception:  # a missing or broken parent package: the import below reports it
-                found = False
-            if found:
-                module_name, attrs = candidate, parts[cut:]
-                break
-    if not module_name or not attrs or any(not a for a in attrs):
-        raise ConfigError(f"{flag} {text!r}: expected a dotted path 'package.module.name'")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ConfigError(f"{flag} {text!r}: cannot import module {module_name!r} ({_one_line(exc)})") from exc
-    walked = module_name
-    for attr in attrs:
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            what = "attribute or submodule" if hasattr(obj, "__path__") else "attribute"
-            raise ConfigError(f"{flag} {text!r}: {walked!r} has no {what} {attr!r}") from None
-        walked = f"{walked}.{attr}"
-    return obj
+        return load_dotted(text)
+    except DottedPathError:
+        raise ConfigError(f"{flag} {text!r}: expected a dotted path 'package.module.name'") from None
+    except ModuleImportError as exc:
+        cause = exc.__cause__
+        assert cause is not None
+        raise ConfigError(f"{flag} {text!r}: cannot import module {exc.module!r} ({exception_line(cause)})") from cause
+    except AttributeLookupError as exc:
+        what = "attribute or submodule" if hasattr(exc.owner, "__path__") else "attribute"
+        raise ConfigError(f"{flag} {text!r}: {exc.walked!r} has no {what} {exc.attr!r}") from None
 
 
 def load_function(path: str, flag: str) -> Callable[..., Any]:

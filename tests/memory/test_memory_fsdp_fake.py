@@ -64,15 +64,15 @@ def _shard_on(model: torch.nn.Module, family, rank: int) -> tuple[int, int, int]
 
 @pytest.mark.parametrize("config_dir,model", CASES)
 def test_fsdp2_wrap_on_8_fake_ranks(config_dir: Path, model) -> None:
-    from miles.training.model import _submodules
+    from miles.training.model import submodules
 
     family = model.family
     lora = LoraSpec(RANK, 2 * RANK, tuple(family.lora_target_modules))
     built = build_denoiser(config_dir, family, model.components, torch.float32, lora)
     shapes = [(p.shape[0] if p.dim() else 1, p.numel()) for p in built.parameters()]
     total = sum(n for _, n in shapes)
-    blocks = sum(len(_submodules(built, path)) for path in family.fsdp_block_lists)
-    assert blocks > 0 and all(_submodules(built, path) for path in family.fsdp_block_lists)
+    blocks = sum(len(submodules(built, path)) for path in family.fsdp_block_lists)
+    assert blocks > 0 and all(submodules(built, path) for path in family.fsdp_block_lists)
     expected = {r: sum(_chunk(d0, r) * (n // d0) for d0, n in shapes) for r in range(WORLD)}
     assert sum(expected.values()) == total  # the chunks of all ranks are the model, exactly
     for rank in (0, WORLD - 1):

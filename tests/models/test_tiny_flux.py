@@ -217,7 +217,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
         (tmp / "model_index.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tiny, "_build_into", interrupted)
+    monkeypatch.setattr(tiny.TinyFluxBuild, "build_into", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tiny.build_tiny_flux(tmp_path / "tiny-flux", progress=False)
     assert list(tmp_path.iterdir()) == []
@@ -235,7 +235,7 @@ def test_ensure_checkpoint_builds_tiny_flux(miles_home, monkeypatch):
         (tmp / TINY_METADATA_FILE).write_text(json.dumps({"name": "tiny-flux", "max_sequence_length": 8}))
         return tiny.BuildReport(out_dir=tmp, seconds=0.0)
 
-    monkeypatch.setattr(tiny, "_build_into", fake)
+    monkeypatch.setattr(tiny.TinyFluxBuild, "build_into", fake)
     path = ensure_checkpoint("tiny-flux", progress=False)
     assert path == miles_home / "models" / "tiny-flux" and (path / TINY_METADATA_FILE).is_file()
     assert ensure_checkpoint("tiny-flux") == path and calls == [0]

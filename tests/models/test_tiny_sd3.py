@@ -172,7 +172,7 @@ def test_ensure_checkpoint_is_atomic_and_cached(miles_home, monkeypatch):
         (tmp / "model_index.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(builder, "_build_into", interrupted)
+    monkeypatch.setattr(builder.TinySD3Build, "build_into", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ensure_checkpoint("tiny-sd3")
     models = miles_home / "models"
@@ -180,7 +180,7 @@ def test_ensure_checkpoint_is_atomic_and_cached(miles_home, monkeypatch):
     assert not list(models.glob(".tiny-sd3.tmp-*"))
 
     calls: list[int] = []
-    monkeypatch.setattr(builder, "_build_into", _fake_build(calls))
+    monkeypatch.setattr(builder.TinySD3Build, "build_into", _fake_build(calls))
     path = ensure_checkpoint("tiny-sd3")
     assert path == models / "tiny-sd3" and (path / METADATA_FILE).is_file()
     assert ensure_checkpoint("tiny-sd3") == path
@@ -214,7 +214,7 @@ def test_models_cli(tiny_sd3_dir, tmp_path, monkeypatch):
     assert isinstance(res.exception, ConfigError) and "--out" in str(res.exception)
 
     calls: list[int] = []
-    monkeypatch.setattr(builder, "_build_into", _fake_build(calls))
+    monkeypatch.setattr(builder.TinySD3Build, "build_into", _fake_build(calls))
     res = runner.invoke(app, ["build", "tiny-sd3", "--out", str(tmp_path / "new"), "--seed", "3"])
     assert res.exit_code == 0, res.output
     assert calls == [3] and "built tiny-sd3" in res.output and "classifier test accuracy" in res.output

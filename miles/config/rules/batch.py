@@ -52,20 +52,16 @@ def check_batch_invariant(res: Resolution, job: JobSpec) -> None:
                 f"batch-knob invariant {INVARIANT} violated: {where}, but "
                 f"{res.show('global_batch_size')} x {res.show('num_steps_per_rollout')} = {gbs * steps}"
             )
-    elif gbs is not None:
-        if samples % gbs:
+    elif gbs is not None or steps is not None:  # one knob given: the other is the samples divided by it
+        knobs = ("global_batch_size", "num_steps_per_rollout")
+        given, derived = knobs if gbs is not None else knobs[::-1]
+        divisor = res[given]
+        if samples % divisor:
             res.fail(
                 f"batch-knob invariant {INVARIANT} violated: {where} samples per rollout "
-                f"is not divisible by {res.show('global_batch_size')}"
+                f"is not divisible by {res.show(given)}"
             )
-        res.derive("num_steps_per_rollout", samples // gbs)
-    elif steps is not None:
-        if samples % steps:
-            res.fail(
-                f"batch-knob invariant {INVARIANT} violated: {where} samples per rollout "
-                f"is not divisible by {res.show('num_steps_per_rollout')}"
-            )
-        res.derive("global_batch_size", samples // steps)
+        res.derive(derived, samples // divisor)
     else:
         res.derive("num_steps_per_rollout", 1)
         res.derive("global_batch_size", samples)

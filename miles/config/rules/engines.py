@@ -9,6 +9,7 @@ from miles.config.resolution import Resolution
 
 if TYPE_CHECKING:
     from miles.config.jobs import JobSpec
+    from miles.models.pipeline_config import TrainPipelineConfig
 
 
 def resolve_backend(res: Resolution, job: JobSpec) -> None:
@@ -80,32 +81,32 @@ def resolve_backend(res: Resolution, job: JobSpec) -> None:
         res.warn(f"--offload-rollout is off: {why}; the sglang engines keep their (CPU) weights between phases")
 
 
-def _family_sglang_unserved(res: Resolution) -> tuple[str, str] | None:
-    """(family, why) when the resolved family cannot be served by sglang at all (`sglang_unserved`), else None."""
+def _family_or_none(res: Resolution) -> TrainPipelineConfig | None:
+    """The registered model family the resolved flags select, or None: a user's `--train-pipeline-config-path`
+    (imported by the runtime, not here), or no family resolves (the model rules name that problem)."""
     from miles.core.errors import ConfigError
     from miles.models.families import resolve_family
 
-    if res["train_pipeline_config_path"] is not None or res["hf_checkpoint"] is None:
+    if res["train_pipeline_config_path"] is not None:
         return None
     try:
-        family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
+        return resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
     except ConfigError:
-        return None  # the model rules name the problem
+        return None
+
+
+def _family_sglang_unserved(res: Resolution) -> tuple[str, str] | None:
+    """(family, why) when the resolved family cannot be served by sglang at all (`sglang_unserved`), else None."""
+    family = _family_or_none(res) if res["hf_checkpoint"] is not None else None
+    if family is None:
+        return None
     return (family.name, family.sglang_unserved) if family.sglang_unserved else None
 
 
 def _check_family_serves_on_cpu(res: Resolution) -> None:
     """A family whose sglang pipeline needs kernels its CPU build lacks is refused on a machine without GPUs."""
-    from miles.core.errors import ConfigError
-    from miles.models.families import resolve_family
-
-    if res["train_pipeline_config_path"] is not None:
-        return
-    try:
-        family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
-    except ConfigError:
-        return  # the model rules name the problem
-    if family.sglang_cpu_blocker:
+    family = _family_or_none(res)
+    if family is not None and family.sglang_cpu_blocker:
         res.fail(
             f"{res.show('rollout_backend')}: sglang cannot serve model family {family.name!r} on this machine without "
             f"a GPU ({family.sglang_cpu_blocker}); use --rollout-backend diffusers here"
@@ -114,15 +115,10 @@ def _check_family_serves_on_cpu(res: Resolution) -> None:
 
 def _check_family_settings_on_sglang(res: Resolution) -> None:
     """Settings under which sglang would sample something other than the family's pipeline are refused."""
-    from miles.core.errors import ConfigError
-    from miles.models.families import resolve_family
     from miles.models.tiny.metadata import TINY_MAX_SEQUENCE_LENGTH, max_sequence_length, read_metadata
 
-    if res["train_pipeline_config_path"] is not None:
-        return
-    try:
-        family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
-    except ConfigError:
+    family = _family_or_none(res)
+    if family is None:
         return
     built_in = res["inputs"].get(str(res["hf_checkpoint"]))  # where a built-in model lives (`inputs`)
     if built_in is not None and read_metadata(built_in) is None:
@@ -249,16 +245,8 @@ def check_patch_groups(res: Resolution, job: JobSpec) -> None:
 
 def _family_patch_groups(res: Resolution) -> dict[str, str]:
     """The patch groups the resolved model family honours (none when it cannot be resolved here)."""
-    from miles.core.errors import ConfigError
-    from miles.models.families import resolve_family
-
-    if res["train_pipeline_config_path"] is not None or res["hf_checkpoint"] is None:
-        return {}
-    try:
-        family = resolve_family(res["hf_checkpoint"], family=res["diffusion_model_family"], require_trainable=False)
-    except ConfigError:
-        return {}
-    return dict(family.patch_groups)
+    family = _family_or_none(res) if res["hf_checkpoint"] is not None else None
+    return {} if family is None else dict(family.patch_groups)
 
 
 RULES = (resolve_backend, resolve_generator_device, check_distributed_post, check_weight_buffer, check_patch_groups)

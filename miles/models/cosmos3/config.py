@@ -264,8 +264,8 @@ class Cosmos3TrainPipelineConfig(TrainPipelineConfig):
 
     def latent_shape(self, pipe: Any, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
-        self.check_video_geometry(height, width, num_frames, spatial, temporal)
-        return (self.latent_channels(pipe), (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
+        grid = self.video_latent_grid(height, width, num_frames, spatial, temporal)
+        return (self.latent_channels(pipe), *grid)
 
     def _stats(self, pipe: Any, like: Any) -> tuple[Any, Any]:
         shape = (1, -1, 1, 1, 1)

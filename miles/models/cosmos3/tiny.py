@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.build import BuildReport
 from miles.models.tiny.components import seeded
 from miles.models.tiny.frame import DigitFramesBuild
 from miles.models.tiny.metadata import FORMAT_VERSION, current_design
@@ -199,11 +199,7 @@ class TinyCosmos3Build(DigitFramesBuild):
                 "latents_std": self.latents_std,
                 "spatial_compression": SPATIAL_COMPRESSION,
                 "temporal_compression": TEMPORAL_COMPRESSION,
-                "fit_steps": self.vae_steps,
-                "batch_size": VAE_BATCH_SIZE,
-                "lr": VAE_LR,
-                "test_mse": round(self.vae_mse, 6),
-                "test_reconstruction_accuracy": self.recon_accuracy,
+                **self.vae_fit_fields(VAE_BATCH_SIZE, VAE_LR),
             },
             "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
         }
@@ -213,8 +209,4 @@ def build_tiny_cosmos3(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-cosmos3 into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
-    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
-
-
-def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    return TinyCosmos3Build(tmp, seed, vae_steps).run(progress)
+    return TinyCosmos3Build.build(out_dir, seed, progress, vae_steps)

@@ -17,11 +17,11 @@ from miles.models.qwen_image.tokenizer import (
     IM_START,
     MODEL_MAX_LENGTH,
     SPECIAL_TOKENS,
-    _qwen_pre_tokenizer,
     learn_merges,
     pre_tokenize,
+    qwen_pre_tokenizer,
 )
-from miles.models.tiny.tokenizers import _byte_alphabet, prompt_corpus
+from miles.models.tiny.tokenizers import byte_alphabet, prompt_corpus
 
 # Qwen's chat layout (`<|im_start|>role\ncontent<|im_end|>\n` per message, then the assistant's header)
 CHAT_TEMPLATE = (
@@ -81,9 +81,9 @@ def build_cosmos3_tokenizer(sizes: tuple[int, ...], frames: tuple[int, ...], fps
     included) with `CHAT_TEMPLATE`, its merges learned from `tokenizer_corpus(...)`."""
     from transformers import Qwen2Tokenizer
 
-    merges = learn_merges(pre_tokenize(tokenizer_corpus(sizes, frames, fps), _qwen_pre_tokenizer()))
+    merges = learn_merges(pre_tokenize(tokenizer_corpus(sizes, frames, fps), qwen_pre_tokenizer()))
     vocab: dict[str, int] = {}
-    for tok in (*_byte_alphabet(), *("".join(m) for m in merges), *SPECIAL_TOKENS):
+    for tok in (*byte_alphabet(), *("".join(m) for m in merges), *SPECIAL_TOKENS):
         vocab.setdefault(tok, len(vocab))
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.tiny import components as C
-from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.build import BuildReport
 from miles.models.tiny.components import seeded
 from miles.models.tiny.frame import DigitsImageBuild
 from miles.models.tiny.vae_fit import VAE_STEPS
@@ -34,7 +34,7 @@ __all__ = ["TINY_FLUX_NAME", "BuildReport", "build_tiny_flux"]
 TINY_FLUX_NAME = "tiny-flux"
 SGLANG_MODEL_ID = "FLUX.1-dev"
 
-CLIP_HIDDEN = 32  # == pooled_projection_dim (FluxPipeline feeds CLIPTextModel's pooler_output)
+CLIP_HIDDEN = C.CLIP_HIDDEN  # == pooled_projection_dim (FluxPipeline feeds CLIPTextModel's pooler_output)
 T5_D_MODEL = C.JOINT_ATTENTION_DIM  # 64 == joint_attention_dim
 ATTENTION_HEAD_DIM = 16
 NUM_ATTENTION_HEADS = 4
@@ -60,20 +60,9 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 
 def make_clip_text_encoder(seed: int, tok: dict[str, int]) -> Any:
     """FLUX's CLIP-L stand-in: a `CLIPTextModel` (no projection; the pipeline uses its pooled output)."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
-    config = CLIPTextConfig(
-        vocab_size=tok["clip_vocab_size"],
-        hidden_size=CLIP_HIDDEN,
-        intermediate_size=2 * CLIP_HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=77,
-        bos_token_id=tok["clip_bos_id"],
-        eos_token_id=tok["clip_eos_id"],
-        pad_token_id=tok["clip_pad_id"],
-        hidden_act="quick_gelu",
-    )
+    config = C.clip_text_config(tok)
     seeded(seed, "text_encoder", SEED_OFFSETS)
     return CLIPTextModel(config).eval()
 
@@ -145,8 +134,4 @@ def build_tiny_flux(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-flux into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
-    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
-
-
-def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    return TinyFluxBuild(tmp, seed, vae_steps).run(progress)
+    return TinyFluxBuild.build(out_dir, seed, progress, vae_steps)

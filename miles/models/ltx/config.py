@@ -139,9 +139,8 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
     def joint_shape(self, pipe: Any, height: int, width: int, num_frames: int, fps: float) -> tuple[int, ...]:
         spatial = int(pipe.vae_spatial_compression_ratio)
         temporal = int(pipe.vae_temporal_compression_ratio)
-        self.check_video_geometry(height, width, num_frames, spatial, temporal)
+        f, h, w = self.video_latent_grid(height, width, num_frames, spatial, temporal)
         config = self._dit(pipe)
-        f, h, w = (num_frames - 1) // temporal + 1, height // spatial, width // spatial
         audio = self.audio_num_frames(config, f, temporal, fps)
         planes = self.audio_planes(f * h * w, audio, int(config.audio_in_channels))
         self.video_channels = int(config.in_channels)
@@ -198,8 +197,7 @@ class LTXTrainPipelineConfig(TrainPipelineConfig):
         (`spatial_compression_ratio` / `temporal_compression_ratio`, else patch x 2**scalings; LTX2Pipeline's 32 / 8
         without a VAE config)."""
         spatial, temporal = _vae_compression(configs.get("vae"))
-        self.check_video_geometry(height, width, num_frames, spatial, temporal)
-        return self.image_seq_len((0, (num_frames - 1) // temporal + 1, height // spatial, width // spatial))
+        return self.image_seq_len((0, *self.video_latent_grid(height, width, num_frames, spatial, temporal)))
 
     def sde_mask(self, latent_shape: tuple[int, ...]) -> Any:
         """Video channels stochastic (SDE, scored); audio and padding by ODE (as sglang steps LTX-2)."""

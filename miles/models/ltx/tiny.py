@@ -34,7 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.build import BuildReport
 from miles.models.tiny.components import seeded
 from miles.models.tiny.frame import MovingDigitsBuild
 from miles.models.tiny.metadata import FORMAT_VERSION, current_design
@@ -394,8 +394,4 @@ def build_tiny_ltx2(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-ltx2 into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
-    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
-
-
-def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    return TinyLtx2Build(tmp, seed, vae_steps).run(progress)
+    return TinyLtx2Build.build(out_dir, seed, progress, vae_steps)

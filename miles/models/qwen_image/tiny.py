@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.build import BuildReport
 from miles.models.tiny.components import seeded
 from miles.models.tiny.frame import DigitFramesBuild
 from miles.models.tiny.metadata import FORMAT_VERSION
@@ -272,11 +272,7 @@ class TinyQwenImageBuild(DigitFramesBuild):
             "vae": {
                 "latents_mean": self.latents_mean,
                 "latents_std": self.latents_std,
-                "fit_steps": self.vae_steps,
-                "batch_size": VAE_BATCH_SIZE,
-                "lr": VAE_LR,
-                "test_mse": round(report.vae_test_mse, 6),
-                "test_reconstruction_accuracy": report.vae_recon_accuracy,
+                **self.vae_fit_fields(VAE_BATCH_SIZE, VAE_LR),
             },
             "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
         }
@@ -286,8 +282,4 @@ def build_tiny_qwen_image(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-qwen-image into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
-    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
-
-
-def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    return TinyQwenImageBuild(tmp, seed, vae_steps).run(progress)
+    return TinyQwenImageBuild.build(out_dir, seed, progress, vae_steps)

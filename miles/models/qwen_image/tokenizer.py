@@ -18,7 +18,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import Any
 
-from miles.models.tiny.tokenizers import _byte_alphabet, greedy_merges, prompt_corpus
+from miles.models.tiny.tokenizers import byte_alphabet, greedy_merges, prompt_corpus
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -81,7 +81,7 @@ def tokenizer_corpus(template: str) -> list[str]:
     return [template.format(p) for p in (*prompt_corpus(), *NEGATIVE_PROMPTS)]
 
 
-def _qwen_pre_tokenizer() -> Any:
+def qwen_pre_tokenizer() -> Any:
     """Qwen2Tokenizer's own pre-tokenizer (regex split, then byte-level symbols), taken from an empty one."""
     from transformers import Qwen2Tokenizer
 
@@ -114,9 +114,9 @@ def build_qwen_tokenizer(template: str | None = None) -> Any:
 
     if template is None:
         template, _ = qwen_image_prompt_template()
-    merges = learn_merges(pre_tokenize(tokenizer_corpus(template), _qwen_pre_tokenizer()))
+    merges = learn_merges(pre_tokenize(tokenizer_corpus(template), qwen_pre_tokenizer()))
     vocab: dict[str, int] = {}
-    for tok in (*_byte_alphabet(), *("".join(m) for m in merges), *SPECIAL_TOKENS):
+    for tok in (*byte_alphabet(), *("".join(m) for m in merges), *SPECIAL_TOKENS):
         vocab.setdefault(tok, len(vocab))
     return Qwen2Tokenizer(
         vocab=vocab,

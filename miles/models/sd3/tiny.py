@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.tiny import components as C
-from miles.models.tiny.build import BuildReport, build_atomically
+from miles.models.tiny.build import BuildReport
 from miles.models.tiny.frame import DigitsImageBuild
 from miles.models.tiny.metadata import METADATA_FILE, TINY_SD3_NAME
 from miles.models.tiny.vae_fit import VAE_STEPS
@@ -56,11 +56,7 @@ def build_tiny_sd3(
     out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-sd3 into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
-    return build_atomically(out_dir, lambda tmp: _build_into(tmp, seed, progress, vae_steps))
-
-
-def _build_into(tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
-    return TinySD3Build(tmp, seed, vae_steps).run(progress)
+    return TinySD3Build.build(out_dir, seed, progress, vae_steps)
 
 
 def make_transformer(seed: int) -> Any:

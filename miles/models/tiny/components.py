@@ -38,22 +38,29 @@ def seeded(seed: int, name: str, offsets: dict[str, int] | None = None) -> None:
     torch.manual_seed(seed * 1000 + (SEED_OFFSETS if offsets is None else offsets)[name])
 
 
-def make_clip_text_encoder(seed: int, name: str, tok: dict[str, int]) -> Any:
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+def clip_text_config(tok: dict[str, int], **extra: Any) -> Any:
+    """The tiny CLIP text encoders' `CLIPTextConfig` (tiny-sd3's two, tiny-flux's one), with `extra` (a projection)."""
+    from transformers import CLIPTextConfig
 
-    config = CLIPTextConfig(
+    return CLIPTextConfig(
         vocab_size=tok["clip_vocab_size"],
         hidden_size=CLIP_HIDDEN,
         intermediate_size=2 * CLIP_HIDDEN,
         num_hidden_layers=2,
         num_attention_heads=4,
-        projection_dim=CLIP_PROJECTION,
         max_position_embeddings=77,
         bos_token_id=tok["clip_bos_id"],
         eos_token_id=tok["clip_eos_id"],
         pad_token_id=tok["clip_pad_id"],
         hidden_act="quick_gelu",
+        **extra,
     )
+
+
+def make_clip_text_encoder(seed: int, name: str, tok: dict[str, int]) -> Any:
+    from transformers import CLIPTextModelWithProjection
+
+    config = clip_text_config(tok, projection_dim=CLIP_PROJECTION)
     seeded(seed, name)
     return CLIPTextModelWithProjection(config).eval()
 

@@ -22,7 +22,15 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import PHASES, BuildReport, Progress, library_versions, phase_timer, pipeline_report
+from miles.models.tiny.build import (
+    PHASES,
+    BuildReport,
+    Progress,
+    build_atomically,
+    library_versions,
+    phase_timer,
+    pipeline_report,
+)
 from miles.models.tiny.metadata import TINY_METADATA_FILE
 
 
@@ -59,6 +67,16 @@ class TinyBuild:
     def metadata(self, report: BuildReport) -> dict[str, Any]:
         """What the build's metadata file holds before `report_fields(report)` (the timings and versions)."""
         raise NotImplementedError
+
+    def vae_fit_fields(self, batch_size: int, lr: float) -> dict[str, Any]:
+        """The fit and its scores: the last fields of an image or digit-frames build's `vae` metadata entry."""
+        return {
+            "fit_steps": self.vae_steps,
+            "batch_size": batch_size,
+            "lr": lr,
+            "test_mse": round(self.vae_mse, 6),
+            "test_reconstruction_accuracy": self.recon_accuracy,
+        }
 
     # ---- the VAE: made, fitted to `self.train`, normalised, and scored on `self.test` -----------------
     recon_batch_size = 64  # the reconstructions' encode/decode batch
@@ -101,6 +119,16 @@ class TinyBuild:
     def vae_step(self, step: int, loss: float) -> None:
         assert self.bar is not None
         self.bar.advance()
+
+    @classmethod
+    def build(cls, out_dir: str | Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+        """Build into `out_dir` (which must not exist, or be empty; `build_atomically`): timings and accuracies."""
+        return build_atomically(out_dir, lambda tmp: cls.build_into(tmp, seed, progress, vae_steps))
+
+    @classmethod
+    def build_into(cls, tmp: Path, seed: int, progress: bool, vae_steps: int) -> BuildReport:
+        """The build in the temporary folder `tmp` that `build` renames into place."""
+        return cls(tmp, seed, vae_steps).run(progress)
 
     def run(self, progress: bool) -> BuildReport:
         start = time.perf_counter()
@@ -202,11 +230,7 @@ class DigitsImageBuild(TinyBuild):
             "vae": {
                 "shift_factor": self.shift,
                 "scaling_factor": self.scale,
-                "fit_steps": self.vae_steps,
-                "batch_size": VAE_BATCH_SIZE,
-                "lr": VAE_LR,
-                "test_mse": round(report.vae_test_mse, 6),
-                "test_reconstruction_accuracy": report.vae_recon_accuracy,
+                **self.vae_fit_fields(VAE_BATCH_SIZE, VAE_LR),
             },
             "digit_classifier": {"path": "digit_classifier", "test_accuracy": report.classifier_test_accuracy},
         }

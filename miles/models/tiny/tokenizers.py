@@ -50,7 +50,7 @@ def prompt_corpus() -> list[str]:
     return lines
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """The 256 printable stand-ins for bytes, in GPT-2/CLIP order (bytes_to_unicode)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))
@@ -111,7 +111,7 @@ def build_clip_tokenizer(max_length: int = CLIP_MAX_LENGTH):
     from transformers import CLIPTokenizer
 
     merges = learn_bpe_merges(prompt_corpus())
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges] + [CLIP_BOS, CLIP_EOS]
     vocab: dict[str, int] = {}
     for tok in tokens:

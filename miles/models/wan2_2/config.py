@@ -239,13 +239,8 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         experts = [getattr(pipe, n, None) for n in EXPERTS]
         patch = next((tuple(e.config.patch_size) for e in experts if e is not None), (1, 2, 2))
         factor = spatial * int(patch[1])  # whole patches of latent cells
-        self.check_video_geometry(height, width, num_frames, factor, temporal)
-        return (
-            self.latent_channels(pipe),
-            (num_frames - 1) // temporal + 1,
-            height // spatial,
-            width // spatial,
-        )
+        grid = self.video_latent_grid(height, width, num_frames, spatial, temporal, factor)
+        return (self.latent_channels(pipe), *grid)
 
     def _stats(self, vae: Any, like: Any) -> tuple[Any, Any]:
         import torch

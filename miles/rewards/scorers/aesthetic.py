@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from miles.rewards.scorers._model import model_scorer
-from miles.rewards.scorers.clip_score import ChunkedFrameScorer, frozen_clip, projected, resolve_device
+from miles.rewards.scorers.clip_score import ChunkedFrameScorer, frozen_clip, load_state_dict, projected
 
 if TYPE_CHECKING:
     from miles.rewards.dispatch import RewardSettings, Scorer
@@ -57,18 +57,6 @@ def aesthetic_mlp(input_size: int) -> Any:
     return head
 
 
-def load_mlp_state_dict(path: str) -> dict[str, Any]:
-    """The .pth's state dict (a plain state dict, or one under "state_dict"; a "module." prefix is dropped)."""
-    import torch
-
-    state = torch.load(str(path), map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
-    return {k.removeprefix("module."): v for k, v in state.items()}
-
-
 class AestheticScorer(ChunkedFrameScorer):
     """A CLIP image tower and the aesthetic MLP, scoring images (prompts are ignored)."""
 
@@ -80,11 +68,10 @@ class AestheticScorer(ChunkedFrameScorer):
         num_frames: int | None = None,
         device: str | None = None,
     ) -> None:
-        super().__init__(batch_size, num_frames)
-        self.device = resolve_device(device)
+        super().__init__(batch_size, num_frames, device)
         self.processor, self.clip = frozen_clip(clip_path, None, self.device)
         width = int(self.clip.config.projection_dim)
-        state = load_mlp_state_dict(model_path)
+        state = load_state_dict(model_path, "a state dict")
         first = state.get("layers.0.weight")
         if first is None or tuple(first.shape)[1:] != (width,):
             got = "no layers.0.weight" if first is None else f"layers.0.weight of shape {tuple(first.shape)}"

@@ -25,12 +25,14 @@ and the frame scores are averaged.
 
 Also the plumbing the other CLIP-family scorers share (`aesthetic`, `hps`, `image_reward`, `vlm_judge`):
 `sample_frames` (a sample's frames as uint8), `ChunkedFrameScorer` (frames -> locked, chunked forwards -> per-sample
-means) and `clip_pixels` (open_clip's / OpenAI CLIP's eval transform, without torchvision).
+means, on the scorer's device), `ClipModelScorer` (a frozen CLIP model and processor: CLIP score's and PickScore's)
+and `clip_pixels` (open_clip's / OpenAI CLIP's eval transform, without torchvision).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -113,9 +115,10 @@ def frozen_clip(model_path: str, processor_path: str | None, device: Any) -> tup
 
 class ChunkedFrameScorer:
     """Scores (image, prompt) pairs: every sample's frames are flattened, scored by `_score_chunk` in chunks of
-    `batch_size` under a lock (one forward at a time per scorer), and averaged back per sample."""
+    `batch_size` under a lock (one forward at a time per scorer), and averaged back per sample. Its models run on
+    `self.device` (`device`, else CUDA when there is one)."""
 
-    def __init__(self, batch_size: int = 8, num_frames: int | None = None) -> None:
+    def __init__(self, batch_size: int = 8, num_frames: int | None = None, device: str | None = None) -> None:
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if num_frames is not None and int(num_frames) < 1:
@@ -123,6 +126,7 @@ class ChunkedFrameScorer:
         self.batch_size = int(batch_size)
         self.num_frames = None if num_frames is None else int(num_frames)
         self._lock = threading.Lock()
+        self.device = resolve_device(device)
 
     def _score_chunk(self, images: list[np.ndarray], prompts: list[str]) -> list[float]:
         """One forward: (H, W, 3) uint8 frames and their prompts -> one float each."""
@@ -206,8 +210,50 @@ def module_from_state_dict(build: Callable[[], Any], state: Mapping[str, Any]) -
     return module
 
 
+def load_state_dict(path: str, what: str) -> dict[str, Any]:
+    """The state dict saved at `path`: a plain one, or one under "state_dict"; "module." prefixes dropped.
+    ValueError naming `what` it should be when the file holds something else."""
+    import torch
+
+    state = torch.load(str(path), map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected {what}, got {type(state).__name__}")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def count_numbered(state: Mapping[str, Any], prefix: str, kind: str, source: str) -> int:
+    """How many blocks `prefix0.`, `prefix1.`, ... the state dict holds; ValueError (naming the `kind` of block and
+    the `source`) unless there are some, numbered from 0 without gaps."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    found = {int(m.group(1)) for k in state if (m := pattern.match(k))}
+    if not found or found != set(range(len(found))):
+        raise ValueError(f"expected {kind} {prefix}0.. in {source}, found {sorted(found) or 'none'}")
+    return len(found)
+
+
+class ClipModelScorer(ChunkedFrameScorer):
+    """A frozen CLIP model and its processor (`frozen_clip`; the processor from the model's folder when
+    `processor_path` is None), scoring from the cosines of (image, prompt) (`clip_cosines`)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        processor_path: str | None,
+        batch_size: int = 8,
+        num_frames: int | None = None,
+        device: str | None = None,
+    ) -> None:
+        super().__init__(batch_size, num_frames, device)
+        self.processor, self.model = frozen_clip(model_path, processor_path, self.device)
+
+    def cosines(self, images: list[np.ndarray], prompts: list[str]) -> Any:
+        return clip_cosines(self.model, self.processor, self.device, images, prompts)
+
+
 # ---- CLIP score --------------------------------------------------------------------------------
-class ClipScoreScorer(ChunkedFrameScorer):
+class ClipScoreScorer(ClipModelScorer):
     """A CLIP model and processor, scoring `scale * max(cos, 0)` per (image, prompt)."""
 
     def __init__(
@@ -219,14 +265,11 @@ class ClipScoreScorer(ChunkedFrameScorer):
         num_frames: int | None = None,
         device: str | None = None,
     ) -> None:
-        super().__init__(batch_size, num_frames)
-        self.device = resolve_device(device)
-        self.processor, self.model = frozen_clip(model_path, processor_path, self.device)
+        super().__init__(model_path, processor_path, batch_size, num_frames, device)
         self.scale = float(scale)
 
     def _score_chunk(self, images: list[np.ndarray], prompts: list[str]) -> list[float]:
-        cosines = clip_cosines(self.model, self.processor, self.device, images, prompts)
-        return [float(s) for s in (self.scale * cosines.clamp_min(0.0)).cpu()]
+        return [float(s) for s in (self.scale * self.cosines(images, prompts).clamp_min(0.0)).cpu()]
 
 
 @functools.lru_cache(maxsize=2)

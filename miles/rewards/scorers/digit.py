@@ -16,7 +16,7 @@ import numpy as np
 
 from miles.models.digit_classifier import (
     CLASSIFIER_DIRNAME,
-    _classifier,
+    as_classifier,
     digits_to_features,
     images_to_digits,
     load_digit_classifier,
@@ -88,7 +88,7 @@ def _per_sample_mean(values: np.ndarray, owner: np.ndarray, n: int) -> np.ndarra
 def digit_probabilities(images: Any, classifier: Any = None, value_range: str = "auto") -> np.ndarray:
     """(N, 10) class probabilities of the samples (a video's: the mean over its frames)."""
     x8, owner = sample_digits(images, value_range)
-    probs = _classifier(classifier).predict_proba(digits_to_features(x8))
+    probs = as_classifier(classifier).predict_proba(digits_to_features(x8))
     n = int(owner.max()) + 1 if len(owner) else 0
     if len(owner) == n:
         return probs
@@ -105,7 +105,7 @@ def digit_reward(
     n = int(owner.max()) + 1 if len(owner) else 0
     if len(labels) != n:
         raise ValueError(f"{n} images but {len(labels)} labels")
-    probs = _classifier(classifier).predict_proba(digits_to_features(x8))
+    probs = as_classifier(classifier).predict_proba(digits_to_features(x8))
     per_digit = probs[np.arange(len(probs)), labels[owner]]
     return [float(p) for p in _per_sample_mean(per_digit, owner, n)]
 

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 
 from miles.data.digits import load_digits_split
-from miles.models.digit_classifier import _classifier, digits_to_features
+from miles.models.digit_classifier import as_classifier, digits_to_features
 
 _LOG_FLOOR = 1e-6
 
 
 def features_from_digits(x8: np.ndarray, classifier: Any = None) -> np.ndarray:
-    probs = _classifier(classifier).predict_proba(digits_to_features(x8))
+    probs = as_classifier(classifier).predict_proba(digits_to_features(x8))
     return np.log(np.clip(probs, _LOG_FLOOR, 1.0))
 
 
@@ -62,9 +62,9 @@ def reference_features(classifier: Any = None, split: str = "test", video: bool 
     data = load_digits_split()
     x8, y = {"train": (data.train_x, data.train_y), "test": (data.test_x, data.test_y)}[split]
     if video:
-        from miles.models.digit_classifier import _moving_digit_crops
+        from miles.models.digit_classifier import moving_digit_crops
 
-        x8, _ = _moving_digit_crops(x8, y)
+        x8, _ = moving_digit_crops(x8, y)
     return features_from_digits(x8, classifier)
 
 
@@ -77,7 +77,7 @@ def _has_video(images: Any) -> bool:
 def digit_fd(images: Any, classifier: Any = None, split: str = "test", value_range: str = "auto") -> float:
     """`fd` of generated images against the real digits of `split` (videos: frames against the frames of the
     real moving digits)."""
-    clf = _classifier(classifier)
+    clf = as_classifier(classifier)
     reference = reference_features(clf, split, video=_has_video(images))
     return frechet_distance(digit_features(images, clf, value_range), reference)
 
@@ -89,7 +89,7 @@ def digit_accuracy(
     from miles.rewards.scorers.digit import sample_digits
 
     x8, owner = sample_digits(images, value_range)
-    pred = _classifier(classifier).predict(digits_to_features(x8))
+    pred = as_classifier(classifier).predict(digits_to_features(x8))
     labels = np.asarray(labels, dtype=np.int64).reshape(-1)
     n = int(owner.max()) + 1 if len(owner) else 0
     if len(labels) != n:
@@ -106,11 +106,11 @@ def _as_video_list(videos: Any) -> list[Any]:
 def video_directions(videos: Any, value_range: str = "auto") -> list[str]:
     """The direction each video's digit travels (`track_direction`: "right", "left", "down", "up", "none")."""
     from miles.data.digits_video import track_direction
-    from miles.models.digit_classifier import _to_numpy
+    from miles.models.digit_classifier import to_numpy
 
     out = []
     for video in _as_video_list(videos):
-        arr = _to_numpy(video).astype(np.float32)
+        arr = to_numpy(video).astype(np.float32)
         signed = value_range == "-1,1" or (value_range == "auto" and arr.size and float(arr.min()) < -0.05)
         out.append(track_direction((arr + 1.0) / 2.0 if signed else arr))
     return out
@@ -136,7 +136,7 @@ def digit_eval_metrics(
     images = list(images)
     if len(images) != len(metadata):
         raise ValueError(f"{len(images)} samples but {len(metadata)} metadata")
-    clf = _classifier(classifier)
+    clf = as_classifier(classifier)
     labels = np.asarray([int(m["label"]) for m in metadata], dtype=np.int64)
     x8, owner = sample_digits(images, value_range)
     pred = clf.predict(digits_to_features(x8))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +36,10 @@ from miles.rewards.scorers._model import model_scorer
 from miles.rewards.scorers.clip_score import (
     ChunkedFrameScorer,
     clip_pixels,
+    count_numbered,
+    load_state_dict,
     module_from_state_dict,
     projected,
-    resolve_device,
 )
 
 if TYPE_CHECKING:
@@ -58,24 +58,8 @@ def default_text_heads(width: int) -> int:
     return max(1, width // 64)
 
 
-def load_open_clip_state_dict(path: str) -> dict[str, Any]:
-    """An open_clip checkpoint's state dict: a plain one or one under "state_dict"; "module." prefixes dropped."""
-    import torch
-
-    state = torch.load(str(path), map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected an open_clip state dict, got {type(state).__name__}")
-    return {k.removeprefix("module."): v for k, v in state.items()}
-
-
 def _num_blocks(state: Mapping[str, Any], prefix: str) -> int:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    found = {int(m.group(1)) for k in state if (m := pattern.match(k))}
-    if not found or found != set(range(len(found))):
-        raise ValueError(f"expected residual blocks {prefix}0.. in the state dict, found {sorted(found) or 'none'}")
-    return len(found)
+    return count_numbered(state, prefix, "residual blocks", "the state dict")
 
 
 def _convert_blocks(take: Callable[[str], Any], src: str, dst: str, layers: int, out: dict[str, Any]) -> None:
@@ -213,13 +197,12 @@ class HpsScorer(ChunkedFrameScorer):
         vision_heads: int | None = None,
         text_heads: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_frames)
+        super().__init__(batch_size, num_frames, device)
         from transformers import AutoTokenizer
 
-        self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         config, state = open_clip_to_hf(
-            load_open_clip_state_dict(model_path),
+            load_state_dict(model_path, "an open_clip state dict"),
             vision_heads=vision_heads,
             text_heads=text_heads,
             eos_token_id=self.tokenizer.eos_token_id,

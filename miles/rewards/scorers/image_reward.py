@@ -46,8 +46,9 @@ from miles.rewards.scorers.aesthetic import aesthetic_mlp
 from miles.rewards.scorers.clip_score import (
     ChunkedFrameScorer,
     clip_pixels,
+    count_numbered,
+    load_state_dict,
     module_from_state_dict,
-    resolve_device,
 )
 
 if TYPE_CHECKING:
@@ -69,24 +70,8 @@ _VISION_RENAMES = (
 )
 
 
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """ImageReward.pt's state dict (plain, or under "state_dict"; "module." prefixes dropped)."""
-    import torch
-
-    state = torch.load(str(path), map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected the ImageReward state dict, got {type(state).__name__}")
-    return {k.removeprefix("module."): v for k, v in state.items()}
-
-
 def _count(state: Mapping[str, Any], prefix: str) -> int:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    found = {int(m.group(1)) for k in state if (m := pattern.match(k))}
-    if not found or found != set(range(len(found))):
-        raise ValueError(f"expected layers {prefix}0.. in the ImageReward state dict, found {sorted(found) or 'none'}")
-    return len(found)
+    return count_numbered(state, prefix, "layers", "the ImageReward state dict")
 
 
 def image_reward_to_hf(
@@ -196,14 +181,13 @@ class ImageRewardScorer(ChunkedFrameScorer):
         vision_heads: int | None = None,
         text_heads: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_frames)
+        super().__init__(batch_size, num_frames, device)
         from transformers import AutoTokenizer, BlipTextModel, BlipVisionModel
 
-        self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         pad = self.tokenizer.pad_token_id
         vision_config, text_config, vision, text, mlp = image_reward_to_hf(
-            load_checkpoint(model_path),
+            load_state_dict(model_path, "the ImageReward state dict"),
             vision_heads=vision_heads,
             text_heads=text_heads,
             pad_token_id=0 if pad is None else int(pad),

@@ -24,11 +24,8 @@ import numpy as np
 
 from miles.rewards.scorers._model import frames_first
 from miles.rewards.scorers.clip_score import (
-    ChunkedFrameScorer,
-    clip_cosines,
+    ClipModelScorer,
     frame_indices,
-    frozen_clip,
-    resolve_device,
 )
 
 if TYPE_CHECKING:
@@ -39,25 +36,12 @@ __all__ = ["PickScoreScorer", "build", "frame_indices", "load_pickscore", "picks
 PICKSCORE_SCALE = 26.0
 
 
-class PickScoreScorer(ChunkedFrameScorer):
+class PickScoreScorer(ClipModelScorer):
     """A CLIP model and processor, scoring (image, prompt) pairs: frames flattened, forwards in chunks of
     `batch_size` under a lock, averaged back per sample (`ChunkedFrameScorer`)."""
 
-    def __init__(
-        self,
-        model_path: str,
-        processor_path: str,
-        batch_size: int = 8,
-        num_frames: int | None = None,
-        device: str | None = None,
-    ) -> None:
-        super().__init__(batch_size, num_frames)
-        self.device = resolve_device(device)
-        self.processor, self.model = frozen_clip(model_path, processor_path, self.device)
-
     def _score_chunk(self, images: list[np.ndarray], prompts: list[str]) -> list[float]:
-        cosines = clip_cosines(self.model, self.processor, self.device, images, prompts)
-        scores = self.model.logit_scale.float().exp() * cosines / PICKSCORE_SCALE
+        scores = self.model.logit_scale.float().exp() * self.cosines(images, prompts) / PICKSCORE_SCALE
         return [float(s) for s in scores.cpu()]
 
 

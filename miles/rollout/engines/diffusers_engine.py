@@ -9,6 +9,7 @@ on the steps the step strategy chose, so with noise level 0 it reproduces the pl
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -223,15 +224,20 @@ class DiffusersEngine:
         """One microgroup (a prompt's samples), or several requests batched by `eval_batches`: every row its own
         seed and SDE steps, the text conditions encoded once per prompt."""
         start = time.perf_counter()
-        family, pipe = self.family, self.pipe
-        req = reqs[0]  # the batch shares everything but prompts and seeds
         seeds = [seed for r in reqs for seed in r.seeds]
-        m = len(seeds)
+        conditions = self._encode_conditions(reqs, len(seeds))
+        run = self._denoise(reqs, seeds, conditions)
+        images = self.family.decode_latents(self.pipe, run.x.to(self.device)).float().cpu()
+        return self._pack_samples(reqs, conditions, run, images, time.perf_counter() - start)
+
+    def _encode_conditions(self, reqs: list[GenerateRequest], m: int) -> _Conditions:
+        """The batch's text conditions: each prompt encoded once (the negative once for all), then one row per
+        sample (`m` rows, request by request)."""
+        family, req = self.family, reqs[0]  # the batch shares everything but prompts and seeds
         cfg_scale = family.cfg_scale(req.guidance_scale, req.true_cfg_scale)
         do_cfg = cfg_scale > 1.0
-        scale_2 = req.guidance_scale_2 if do_cfg else None
         pos, neg = family.encode_prompts(
-            pipe,
+            self.pipe,
             [r.prompt for r in reqs],
             req.negative_prompt,
             do_cfg,
@@ -246,8 +252,16 @@ class DiffusersEngine:
             rows = torch.tensor([p for p, r in enumerate(reqs) for _ in r.seeds])
             cond_batch = {k: v[rows.to(v.device)] for k, v in pos.items()}
             neg_batch = {k: v[rows.to(v.device)] for k, v in neg.items()} if neg is not None else None
+        scale_2 = req.guidance_scale_2 if do_cfg else None
+        return _Conditions(pos, neg, cond_batch, neg_batch, cfg_scale, do_cfg, scale_2)
 
-        shape = family.latent_shape(pipe, req.height, req.width, req.num_frames)
+    def _denoise(self, reqs: list[GenerateRequest], seeds: list[int], conditions: _Conditions) -> _Denoised:
+        """The step loop: every row from its seed's initial noise to its last latent, an SDE step (its own noise,
+        its log-prob) on the row's SDE steps and an ODE step on the others (`SamplingPlan`: a shared prefix run once
+        until it branches, DPM-Solver++ 2M and a compressed schedule after the SDE window)."""
+        family, req, m = self.family, reqs[0], len(seeds)
+        cfg_scale, scale_2 = conditions.cfg_scale, conditions.scale_2
+        shape = family.latent_shape(self.pipe, req.height, req.width, req.num_frames)
         sde_sets = [set(steps) for r in reqs for steps in r.sde_steps]
         stochastic = req.noise_level > 0 and req.sde_type != "ode"
         plan = SamplingPlan.of(req, sde_sets if stochastic else [set() for _ in sde_sets])
@@ -278,7 +292,8 @@ class DiffusersEngine:
                 x, rows_now = x.expand(m, *shape).clone(), m
             t = timesteps[i].expand(rows_now).to(self.device)
             model_in = x.to(self.device, self.dtype)
-            cond, neg_now = _first_rows(cond_batch, rows_now), _first_rows(neg_batch, rows_now)
+            cond = _first_rows(conditions.cond_batch, rows_now)
+            neg_now = _first_rows(conditions.neg_batch, rows_now)
             v = family.guided_velocity(self.transformer, model_in, t, cond, neg_now, cfg_scale, scale_2).cpu()
             calls += rows_now
             if debug:
@@ -324,43 +339,90 @@ class DiffusersEngine:
 
         if rows_now < m:  # nothing branched (no SDE step): every sample is the shared trajectory
             x = x.expand(m, *shape)
-        images = family.decode_latents(pipe, x.to(self.device)).float().cpu()
-        elapsed = time.perf_counter() - start
+        return _Denoised(x, shape, sigmas, timesteps, sde_sets, latents, outputs, log_probs, means, calls)
+
+    def _pack_samples(
+        self,
+        reqs: list[GenerateRequest],
+        conditions: _Conditions,
+        run: _Denoised,
+        images: torch.Tensor,
+        elapsed: float,
+    ) -> list[Sample]:
+        """The completed samples, request by request: each row's trajectory (its own storage), its image, its
+        request's text conditions and its share of the batch's time and denoiser calls."""
+        req, m, shape = reqs[0], len(run.sde_sets), run.shape
         samples: list[Sample] = []
-        stacked = torch.stack([lat.expand(m, *shape) for lat in latents], dim=1) if record else None
-        debug_outputs = torch.stack([o.expand(m, *shape) for o in outputs], dim=1) if outputs else None
-        stored_cfg = cfg_scale if do_cfg else 1.0
+        stacked = torch.stack([lat.expand(m, *shape) for lat in run.latents], dim=1) if not req.evaluation else None
+        debug_outputs = torch.stack([o.expand(m, *shape) for o in run.outputs], dim=1) if run.outputs else None
+        stored_cfg = conditions.cfg_scale if conditions.do_cfg else 1.0
         # each request's own text conditions (one object its samples share); the negative is one for all
+        pos, neg = conditions.pos, conditions.neg
         neg_rows = {k: v[0].detach().float().cpu() for k, v in neg.items()} if neg is not None else None
         pos_rows = [
-            {k: v.detach().float().cpu() for k, v in family.condition_row(pos, p).items()} for p in range(len(reqs))
+            {k: v.detach().float().cpu() for k, v in self.family.condition_row(pos, p).items()}
+            for p in range(len(reqs))
         ]
+        log_probs, means = run.log_probs, run.means
         owners = [(p, r, j) for p, r in enumerate(reqs) for j in range(len(r.seeds))]
         for b, (p, owner, j) in enumerate(owners):
             trajectory = None
             if stacked is not None:
                 trajectory = Trajectory(
                     latents=stacked[b].clone(),  # its own storage: a view would pickle the whole batch
-                    timesteps=timesteps.clone(),
-                    sigmas=sigmas.clone(),
-                    sde_step_indices=sorted(sde_sets[b]) if log_probs[b] else [],
+                    timesteps=run.timesteps.clone(),
+                    sigmas=run.sigmas.clone(),
+                    sde_step_indices=sorted(run.sde_sets[b]) if log_probs[b] else [],
                     log_probs=torch.stack(log_probs[b]) if log_probs[b] else torch.zeros(0),
                     sde_type=req.sde_type,
                     noise_level=req.noise_level,
                     debug_model_outputs=None if debug_outputs is None else debug_outputs[b].clone(),
                     sde_means=torch.stack(means[b]) if means[b] else None,
                 )
+            conditions_row = Conditions(pos_rows[p], neg_rows, stored_cfg, conditions.scale_2)
             samples.append(
                 owner.sample(
                     j,
                     trajectory=trajectory,
-                    conditions=None if req.evaluation else Conditions(pos_rows[p], neg_rows, stored_cfg, scale_2),
+                    conditions=None if req.evaluation else conditions_row,
                     image=images[b].clone(),
                     inference_time_s=elapsed / m,
-                    denoiser_calls=calls / m,
+                    denoiser_calls=run.calls / m,
                 )
             )
         return samples
+
+
+@dataclass
+class _Conditions:
+    """A forward batch's text conditions: the prompts' encodings (`pos` one row per request, `neg` one for all or
+    None without CFG), one row per sample of each (`cond_batch`, `neg_batch`), and the CFG scales."""
+
+    pos: dict[str, torch.Tensor]
+    neg: dict[str, torch.Tensor] | None
+    cond_batch: dict[str, torch.Tensor]
+    neg_batch: dict[str, torch.Tensor] | None
+    cfg_scale: float
+    do_cfg: bool
+    scale_2: float | None
+
+
+@dataclass
+class _Denoised:
+    """What the step loop made: the last latents `x` (one row per sample), the recorded latents of every step
+    (training), the velocities (--diffusion-debug-mode), each row's SDE log-probs and means, the schedule it ran and
+    the denoiser calls it cost."""
+
+    x: torch.Tensor
+    shape: tuple[int, ...]
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    sde_sets: list[set[int]]
+    latents: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    log_probs: list[list[torch.Tensor]]
+    means: list[list[torch.Tensor]]
+    calls: int
 
 
 def _first_rows(batch: dict[str, torch.Tensor] | None, rows: int) -> dict[str, torch.Tensor] | None:
