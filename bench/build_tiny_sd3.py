@@ -31,7 +31,7 @@ def main() -> int:
     import diffusers  # noqa: F401  (the import cost is part of a first build)
     import torch
 
-    from miles.models.sd3.tiny import build_tiny_sd3
+    from miles.builtin.tiny.sd3 import build_tiny_sd3
 
     import_s = time.perf_counter() - t0
     tmp = None

@@ -96,8 +96,8 @@ def tiny_qwen_image_dir(miles_session_home: Path) -> Path:
 def tiny_wan2_2_dir(miles_session_home: Path) -> Path:
     """tiny-wan2_2 with a short VAE fit (40 steps, about a fifth of the build): the tests need its layout, not
     its reconstructions; the full build's reconstruction scores are an `extended` test."""
+    from miles.builtin.tiny.wan2_2 import build_tiny_wan2_2
     from miles.models.tiny.metadata import current_design
-    from miles.models.wan2_2.tiny import build_tiny_wan2_2
 
     path = miles_session_home / "test-builds" / f"tiny-wan2_2-design{current_design('tiny-wan2_2')}-vae40"
     if not (path / "model_index.json").is_file():
@@ -109,7 +109,7 @@ def tiny_wan2_2_dir(miles_session_home: Path) -> Path:
 def tiny_cosmos3_dir(miles_session_home: Path) -> Path:
     """tiny-cosmos3 with a short VAE fit (60 steps, a fifth of the build's): the tests need its layout, not its
     reconstructions."""
-    from miles.models.cosmos3.tiny import build_tiny_cosmos3
+    from miles.builtin.tiny.cosmos3 import build_tiny_cosmos3
     from miles.models.tiny.metadata import current_design
 
     path = miles_session_home / "test-builds" / f"tiny-cosmos3-design{current_design('tiny-cosmos3')}-vae60"
@@ -122,7 +122,7 @@ def tiny_cosmos3_dir(miles_session_home: Path) -> Path:
 def tiny_ltx2_dir(miles_session_home: Path) -> Path:
     """tiny-ltx2 with a 5-step VAE fit (the tests need its layout, not its reconstructions; a fit step of the
     LTX-2 video VAE at 9x64x64 takes ~2 s on 2 cores)."""
-    from miles.models.ltx.tiny import build_tiny_ltx2
+    from miles.builtin.tiny.ltx import build_tiny_ltx2
     from miles.models.tiny.metadata import current_design
 
     path = miles_session_home / "test-builds" / f"tiny-ltx2-design{current_design('tiny-ltx2')}-vae5"

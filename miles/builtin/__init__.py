@@ -7,6 +7,7 @@ a built-in name (`tiny-sd3`, `digits:labels`, `tiny-sd3-digits-sft-short`), and 
     teachers     the digits SFT start points: their recipes, stamps and their build (the Trainer of `train sft`)
     datasets     `resolve_dataset`: write a built-in data set on first use
     inputs       `prepare_inputs(args)`: build what a job's `inputs` name, once, in the driver
+    tiny         the offline tiny builds: the shared build frame and one module per family
 
 A job's built-in names are resolved to paths once, by the config (`args.inputs`, shown by `inspect-config`);
 everything below this package reads plain paths through `miles.core.inputs.input_path`.

@@ -19,12 +19,12 @@ TINY_SD3_NAME = "tiny-sd3"
 
 # the offline tiny builds: name -> "module:function" with the signature (out_dir, seed=, progress=) -> BuildReport
 TINY_BUILDERS: dict[str, str] = {
-    TINY_SD3_NAME: "miles.models.sd3.tiny:build_tiny_sd3",
-    "tiny-flux": "miles.models.flux.tiny:build_tiny_flux",
-    "tiny-qwen-image": "miles.models.qwen_image.tiny:build_tiny_qwen_image",
-    "tiny-wan2_2": "miles.models.wan2_2.tiny:build_tiny_wan2_2",
-    "tiny-ltx2": "miles.models.ltx.tiny:build_tiny_ltx2",
-    "tiny-cosmos3": "miles.models.cosmos3.tiny:build_tiny_cosmos3",
+    TINY_SD3_NAME: "miles.builtin.tiny.sd3:build_tiny_sd3",
+    "tiny-flux": "miles.builtin.tiny.flux:build_tiny_flux",
+    "tiny-qwen-image": "miles.builtin.tiny.qwen_image:build_tiny_qwen_image",
+    "tiny-wan2_2": "miles.builtin.tiny.wan2_2:build_tiny_wan2_2",
+    "tiny-ltx2": "miles.builtin.tiny.ltx:build_tiny_ltx2",
+    "tiny-cosmos3": "miles.builtin.tiny.cosmos3:build_tiny_cosmos3",
 }
 
 SFT_TEACHERS: dict[str, int] = {

@@ -46,7 +46,7 @@ def test_the_walkthrough_family_is_selected_by_name_and_by_the_flag(walkthrough,
 
 
 def test_the_walkthrough_familys_guided_forward_is_the_rescaled_cfg(walkthrough) -> None:
-    from miles.models.sd3.tiny import make_transformer
+    from miles.builtin.tiny.sd3 import make_transformer
 
     model = make_transformer(0).eval()
     cfg = model.config

@@ -57,7 +57,7 @@ def test_lora_targets_are_the_generation_path() -> None:
 def test_the_schedule_is_unipcs_own_grid_with_euler_timesteps() -> None:
     from diffusers import UniPCMultistepScheduler
 
-    from miles.models.cosmos3.tiny import SCHEDULER_CONFIG
+    from miles.builtin.tiny.cosmos3 import SCHEDULER_CONFIG
 
     family = resolve_family("tiny-cosmos3", env={})
     unipc = UniPCMultistepScheduler(**SCHEDULER_CONFIG)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.builtin.tiny.ltx import LATENT_CHANNELS as CV
+from miles.builtin.tiny.ltx import LATENT_SIZE as LS
 from miles.config.resolve import resolve
-from miles.models.ltx.tiny import LATENT_CHANNELS as CV
-from miles.models.ltx.tiny import LATENT_SIZE as LS
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
 from miles.sampling.sde import sde_step

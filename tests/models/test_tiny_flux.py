@@ -66,7 +66,7 @@ def _state_hash(state: dict) -> str:
 
 @pytest.fixture(scope="module")
 def fast_flux_build(tmp_path_factory):
-    from miles.models.flux.tiny import build_tiny_flux
+    from miles.builtin.tiny.flux import build_tiny_flux
 
     return build_tiny_flux(
         tmp_path_factory.mktemp("flux") / "tiny-flux", seed=0, progress=False, vae_steps=FAST_VAE_STEPS
@@ -91,7 +91,7 @@ def fast_flux_pipeline(fast_flux_dir):
 
 
 def test_module_imports_without_torch():
-    code = "import sys, miles.models.flux.tiny; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, miles.builtin.tiny.flux; assert 'torch' not in sys.modules, 'torch imported'"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 
@@ -186,7 +186,7 @@ def test_pipeline_generates(fast_flux_pipeline):
 def test_components_are_the_seeded_inits(fast_flux_dir):
     from safetensors.torch import load_file
 
-    from miles.models.flux import tiny
+    from miles.builtin.tiny import flux as tiny
 
     saved = load_file(fast_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     assert _state_hash(saved) == _state_hash(tiny.make_transformer(0).state_dict())
@@ -199,7 +199,7 @@ def test_components_are_the_seeded_inits(fast_flux_dir):
 
 
 def test_build_refuses_a_non_empty_dir(tmp_path):
-    from miles.models.flux.tiny import build_tiny_flux
+    from miles.builtin.tiny.flux import build_tiny_flux
 
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "f").write_text("x")
@@ -211,7 +211,7 @@ def test_build_refuses_a_non_empty_dir(tmp_path):
 
 
 def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
-    from miles.models.flux import tiny
+    from miles.builtin.tiny import flux as tiny
 
     def interrupted(tmp, seed, progress, vae_steps):
         (tmp / "model_index.json").write_text("{}")
@@ -225,7 +225,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
 
 def test_ensure_checkpoint_builds_tiny_flux(miles_home, monkeypatch):
     from miles.builtin.checkpoints import ensure_checkpoint
-    from miles.models.flux import tiny
+    from miles.builtin.tiny import flux as tiny
 
     calls: list[int] = []
 
@@ -246,8 +246,8 @@ def test_default_build_fits_the_vae_and_is_deterministic(tiny_flux_dir, fast_flu
     import torch
     from diffusers import AutoencoderKL
 
+    from miles.builtin.tiny.vae_fit import VAE_STEPS, digits_to_vae_input
     from miles.data.digits import load_digits_split
-    from miles.models.tiny.vae_fit import VAE_STEPS, digits_to_vae_input
     from miles.rewards.scorers.digit import read_classifier_metadata
 
     assert tiny_flux_dir == miles_session_home / "models" / "tiny-flux"

@@ -72,7 +72,9 @@ def test_tokenizer_is_deterministic(qwen_tokenizer):
 
 
 def test_import_is_torch_free():
-    code = "import sys, miles.models.qwen_image.tiny, miles.models.qwen_image.tokenizer; print('torch' in sys.modules)"
+    code = (
+        "import sys, miles.builtin.tiny.qwen_image, miles.models.qwen_image.tokenizer\nprint('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -154,8 +156,8 @@ def test_pipeline_two_step_true_cfg(tiny_qwen_dir, tiny_qwen_pipeline):
 def test_vae_latents_are_normalised(tiny_qwen_pipeline):
     import torch
 
+    from miles.builtin.tiny.qwen_image import digits_to_video_input
     from miles.data.digits import load_digits_split
-    from miles.models.qwen_image.tiny import digits_to_video_input
 
     vae = tiny_qwen_pipeline.vae
     assert tiny_qwen_pipeline.vae_scale_factor == 8
@@ -183,8 +185,8 @@ def test_seeded_weights(tiny_qwen_dir, tiny_qwen_pipeline):
     """The saved transformer/text encoder are their makers' output for seed 0; seed 1 gives other weights."""
     from safetensors.torch import load_file
 
+    from miles.builtin.tiny.qwen_image import make_text_encoder, make_transformer
     from miles.models.qwen_image import tokenizer as qtok
-    from miles.models.qwen_image.tiny import make_text_encoder, make_transformer
 
     saved = load_file(tiny_qwen_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     assert _same(saved, _state(make_transformer(0)))
@@ -198,9 +200,9 @@ def test_seeded_weights(tiny_qwen_dir, tiny_qwen_pipeline):
 @pytest.mark.slow
 def test_seeded_vae_fit_is_deterministic():
     """Two short fits of the 1-frame video VAE from the same seed give the same weights."""
+    from miles.builtin.tiny.qwen_image import digits_to_video_input, make_vae, single_frame_convs
+    from miles.builtin.tiny.vae_fit import fit_vae
     from miles.data.digits import load_digits_split
-    from miles.models.qwen_image.tiny import digits_to_video_input, make_vae, single_frame_convs
-    from miles.models.tiny.vae_fit import fit_vae
 
     videos = digits_to_video_input(load_digits_split().train_x[:16])
     states = []
@@ -217,7 +219,7 @@ def test_single_frame_convs_match_the_causal_convs():
     """The fit's 2-D fast path computes what the VAE's own causal 3-D convs compute, and is undone after."""
     import torch
 
-    from miles.models.qwen_image.tiny import make_vae, single_frame_convs
+    from miles.builtin.tiny.qwen_image import make_vae, single_frame_convs
 
     vae = make_vae(0).eval()
     videos = torch.rand(2, 3, 1, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -232,7 +234,7 @@ def test_single_frame_convs_match_the_causal_convs():
 
 
 def test_refuses_non_empty_dir(tmp_path):
-    from miles.models.qwen_image.tiny import build_tiny_qwen_image
+    from miles.builtin.tiny.qwen_image import build_tiny_qwen_image
 
     (tmp_path / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError):

@@ -79,7 +79,7 @@ def test_pipeline_loads_and_generates(tiny_sd3_dir, monkeypatch):
 def test_vae_reconstructs_digits(tiny_sd3_pipeline, digits_split, digit_classifier):
     import torch
 
-    from miles.models.tiny.vae_fit import digits_to_vae_input
+    from miles.builtin.tiny.vae_fit import digits_to_vae_input
     from miles.rewards.scorers.digit_metrics import digit_accuracy
 
     vae = tiny_sd3_pipeline.vae
@@ -158,7 +158,7 @@ def _fake_build(calls):
         calls.append(seed)
         (tmp / "model_index.json").write_text("{}")
         (tmp / METADATA_FILE).write_text(json.dumps({"name": "tiny-sd3", "max_sequence_length": 8, "resolution": 64}))
-        from miles.models.tiny.build import BuildReport
+        from miles.builtin.tiny.build import BuildReport
 
         return BuildReport(out_dir=tmp, seconds=0.0)
 
@@ -166,7 +166,7 @@ def _fake_build(calls):
 
 
 def test_ensure_checkpoint_is_atomic_and_cached(miles_home, monkeypatch):
-    from miles.models.sd3 import tiny as builder
+    from miles.builtin.tiny import sd3 as builder
 
     def interrupted(tmp, seed, progress, vae_steps):
         (tmp / "model_index.json").write_text("{}")
@@ -197,7 +197,7 @@ def test_ensure_checkpoint_rejects_a_partial_dir(miles_home):
 def test_models_cli(tiny_sd3_dir, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from miles.models.sd3 import tiny as builder
+    from miles.builtin.tiny import sd3 as builder
     from miles_cli.models_cmd import app
 
     runner = CliRunner()

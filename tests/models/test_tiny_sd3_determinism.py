@@ -30,8 +30,8 @@ def test_tokenizer_files_are_deterministic(tmp_path):
 
 
 def test_component_inits_are_seeded():
-    from miles.models.sd3.tiny import make_transformer
-    from miles.models.tiny import components as C
+    from miles.builtin.tiny import components as C
+    from miles.builtin.tiny.sd3 import make_transformer
 
     tok = {
         "clip_vocab_size": 638,
@@ -51,8 +51,8 @@ def test_component_inits_are_seeded():
 
 
 def test_vae_fit_is_deterministic(digits_split):
-    from miles.models.tiny import components as C
-    from miles.models.tiny.vae_fit import digits_to_vae_input, fit_vae
+    from miles.builtin.tiny import components as C
+    from miles.builtin.tiny.vae_fit import digits_to_vae_input, fit_vae
 
     images = digits_to_vae_input(digits_split.train_x[:32])
     hashes, losses = [], []
@@ -66,7 +66,7 @@ def test_vae_fit_is_deterministic(digits_split):
 def test_built_transformer_is_the_seeded_init(tiny_sd3_dir):
     from safetensors.torch import load_file
 
-    from miles.models.sd3.tiny import make_transformer
+    from miles.builtin.tiny.sd3 import make_transformer
 
     saved = load_file(tiny_sd3_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     init = make_transformer(0).state_dict()
@@ -77,7 +77,7 @@ def test_built_transformer_is_the_seeded_init(tiny_sd3_dir):
 @pytest.mark.slow
 @pytest.mark.extended  # ~40 s; the seeded inits, tokenizers and VAE fit are checked above in the default run
 def test_full_rebuild_is_byte_identical(tiny_sd3_dir, tmp_path):
-    from miles.models.sd3.tiny import build_tiny_sd3
+    from miles.builtin.tiny.sd3 import build_tiny_sd3
 
     build_tiny_sd3(tmp_path / "again", seed=0, progress=False)
     ours, theirs = _files(tmp_path / "again"), _files(tiny_sd3_dir)

@@ -18,22 +18,22 @@ DIRECTION_ACCURACY_MIN = 0.95
 
 
 def test_import_is_torch_free():
-    code = "import sys, miles.models.wan2_2.tiny; print('torch' in sys.modules)"
+    code = "import sys, miles.builtin.tiny.wan2_2; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_registered():
     from miles.builtin.checkpoints import TINY_BUILDERS, tiny_builder
-    from miles.models.wan2_2.tiny import build_tiny_wan2_2
+    from miles.builtin.tiny.wan2_2 import build_tiny_wan2_2
 
-    assert TINY_BUILDERS["tiny-wan2_2"] == "miles.models.wan2_2.tiny:build_tiny_wan2_2"
+    assert TINY_BUILDERS["tiny-wan2_2"] == "miles.builtin.tiny.wan2_2:build_tiny_wan2_2"
     assert tiny_builder("tiny-wan2_2") is build_tiny_wan2_2
 
 
 def test_tokenizer_knows_the_video_prompts():
+    from miles.builtin.tiny.wan2_2 import TINY_WAN_MAX_SEQUENCE_LENGTH, make_tokenizer
     from miles.models.tiny.tokenizers import build_t5_tokenizer
-    from miles.models.wan2_2.tiny import TINY_WAN_MAX_SEQUENCE_LENGTH, make_tokenizer
 
     tok = make_tokenizer()
     ids = tok(PROMPT).input_ids
@@ -46,7 +46,7 @@ def test_tokenizer_knows_the_video_prompts():
 
 
 def test_refuses_non_empty_dir(tmp_path):
-    from miles.models.wan2_2.tiny import build_tiny_wan2_2
+    from miles.builtin.tiny.wan2_2 import build_tiny_wan2_2
 
     (tmp_path / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError):
@@ -216,8 +216,8 @@ def test_pipeline_two_step_cfg(tiny_wan2_2_dir, tiny_wan_pipeline):
 def test_vae_latents_are_normalised(tiny_wan_pipeline):
     import torch
 
+    from miles.builtin.tiny.vae_fit import digit_videos_to_vae_input
     from miles.data.digits import load_digits_split
-    from miles.models.tiny.vae_fit import digit_videos_to_vae_input
 
     vae = tiny_wan_pipeline.vae
     videos, _ = digit_videos_to_vae_input(load_digits_split().test_x[:64])
@@ -242,7 +242,7 @@ def test_seeded_weights(tiny_wan2_2_dir, tiny_wan_pipeline):
     another seed, or the other expert's offset, gives other weights. Cheap: no VAE fit."""
     from safetensors.torch import load_file
 
-    from miles.models.wan2_2.tiny import make_text_encoder, make_tokenizer, make_transformer
+    from miles.builtin.tiny.wan2_2 import make_text_encoder, make_tokenizer, make_transformer
 
     def state(module) -> dict:
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -259,9 +259,9 @@ def test_seeded_weights(tiny_wan2_2_dir, tiny_wan_pipeline):
 @pytest.mark.slow
 def test_seeded_vae_fit_is_deterministic():
     """Two short fits of the video VAE from the same seed give the same weights."""
+    from miles.builtin.tiny.vae_fit import digit_videos_to_vae_input, fit_vae
+    from miles.builtin.tiny.wan2_2 import make_vae
     from miles.data.digits import load_digits_split
-    from miles.models.tiny.vae_fit import digit_videos_to_vae_input, fit_vae
-    from miles.models.wan2_2.tiny import make_vae
 
     videos, _ = digit_videos_to_vae_input(load_digits_split().train_x[:8])
     states = []

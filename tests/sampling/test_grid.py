@@ -29,12 +29,12 @@ VIDEO_FRAMES = (1, 5, 57, 81)
 SHIFTS = (None, 3.0, 7.3)
 # family -> (the hub name of the checkpoint miles ships configs for, the tiny builder's module)
 FAMILIES = {
-    "sd3": ("stabilityai/stable-diffusion-3.5-medium", "miles.models.sd3.tiny"),
-    "flux": ("black-forest-labs/FLUX.1-dev", "miles.models.flux.tiny"),
-    "qwen_image": ("Qwen/Qwen-Image", "miles.models.qwen_image.tiny"),
-    "wan2_2": ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "miles.models.wan2_2.tiny"),
-    "ltx": ("Lightricks/LTX-2", "miles.models.ltx.tiny"),
-    "cosmos3": ("nvidia/Cosmos3-Nano", "miles.models.cosmos3.tiny"),
+    "sd3": ("stabilityai/stable-diffusion-3.5-medium", "miles.builtin.tiny.sd3"),
+    "flux": ("black-forest-labs/FLUX.1-dev", "miles.builtin.tiny.flux"),
+    "qwen_image": ("Qwen/Qwen-Image", "miles.builtin.tiny.qwen_image"),
+    "wan2_2": ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "miles.builtin.tiny.wan2_2"),
+    "ltx": ("Lightricks/LTX-2", "miles.builtin.tiny.ltx"),
+    "cosmos3": ("nvidia/Cosmos3-Nano", "miles.builtin.tiny.cosmos3"),
 }
 MEASURED: dict[str, float] = {}  # the largest differences seen (printed with -s)
 
@@ -136,7 +136,7 @@ def test_the_scheduler_configs_are_what_the_builds_and_diffusers_hold(family_nam
     tiny = importlib.import_module(FAMILIES[family_name][1])
     configs = tiny.grid_configs()
     makers = {
-        "vae": getattr(tiny, "make_vae", None) or importlib.import_module("miles.models.tiny.components").make_vae,
+        "vae": getattr(tiny, "make_vae", None) or importlib.import_module("miles.builtin.tiny.components").make_vae,
         "transformer": getattr(tiny, "make_transformer", None),
         "transformer_2": getattr(tiny, "make_transformer", None),
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles.models.tiny.components import seeded
+from miles.builtin.tiny.components import seeded
 
 
 def video_prompts() -> list[str]:
@@ -18,7 +18,7 @@ def video_prompts() -> list[str]:
 
 def digits_to_video_input(x8: Any) -> Any:
     """(N, 8, 8) numpy digits in [0, 1] -> (N, 3, 1, 64, 64) float32 1-frame videos in [-1, 1]."""
-    from miles.models.tiny.vae_fit import digits_to_vae_input
+    from miles.builtin.tiny.vae_fit import digits_to_vae_input
 
     return digits_to_vae_input(x8)[:, :, None].contiguous()
 

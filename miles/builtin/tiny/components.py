@@ -1,7 +1,7 @@
 """The components the tiny builds share (CLIP and T5 text encoders, the 8x AutoencoderKL), at toy size,
 each initialised from its own seed; tiny-sd3 uses all of them, tiny-flux the T5 and the VAE.
 
-The sizes below are tiny-sd3's; its transformer and scheduler live in `miles.models.sd3.tiny`.
+The sizes below are tiny-sd3's; its transformer and scheduler live in `miles.builtin.tiny.sd3`.
 
 Sizes (SD3 layout, three text encoders so sglang-diffusion's native SD3 pipeline can serve it):
   text_encoder / text_encoder_2: CLIPTextModelWithProjection, hidden 32, 2 layers, 4 heads,

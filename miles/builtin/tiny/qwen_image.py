@@ -27,12 +27,12 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import BuildReport
-from miles.models.tiny.components import seeded
-from miles.models.tiny.frame import DigitFramesBuild
+from miles.builtin.tiny.build import BuildReport
+from miles.builtin.tiny.components import seeded
+from miles.builtin.tiny.frame import DigitFramesBuild
+from miles.builtin.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR
+from miles.builtin.tiny.video_vae import digits_to_video_input
 from miles.models.tiny.metadata import FORMAT_VERSION
-from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR
-from miles.models.tiny.video_vae import digits_to_video_input
 
 __all__ = ["TINY_QWEN_IMAGE_NAME", "BuildReport", "build_tiny_qwen_image", "digits_to_video_input"]
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny import components as C
-from miles.models.tiny.build import BuildReport
-from miles.models.tiny.components import seeded
-from miles.models.tiny.frame import DigitsImageBuild
-from miles.models.tiny.vae_fit import VAE_STEPS
+from miles.builtin.tiny import components as C
+from miles.builtin.tiny.build import BuildReport
+from miles.builtin.tiny.components import seeded
+from miles.builtin.tiny.frame import DigitsImageBuild
+from miles.builtin.tiny.vae_fit import VAE_STEPS
 
 __all__ = ["TINY_FLUX_NAME", "BuildReport", "build_tiny_flux"]
 

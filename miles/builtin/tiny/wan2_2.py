@@ -33,11 +33,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import BuildReport
-from miles.models.tiny.components import seeded
-from miles.models.tiny.frame import MovingDigitsBuild
+from miles.builtin.tiny.build import BuildReport
+from miles.builtin.tiny.components import seeded
+from miles.builtin.tiny.frame import MovingDigitsBuild
+from miles.builtin.tiny.video_vae import decode_unclamped, make_wan_vae, video_prompts
 from miles.models.tiny.metadata import FORMAT_VERSION, current_design
-from miles.models.tiny.video_vae import decode_unclamped, make_wan_vae, video_prompts
 
 __all__ = ["TINY_WAN2_2_NAME", "BuildReport", "build_tiny_wan2_2"]
 
@@ -236,7 +236,7 @@ class TinyWan22Build(MovingDigitsBuild):
         return {"batch_size": VAE_BATCH_SIZE, "lr": VAE_LR, "decode": decode_unclamped}
 
     def latent_stats(self) -> None:
-        from miles.models.tiny import vae_fit
+        from miles.builtin.tiny import vae_fit
 
         self.latents_mean, self.latents_std = vae_fit.set_latents_mean_std(self.vae, self.train[: self.stats_videos])
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny import components as C
-from miles.models.tiny.build import BuildReport
-from miles.models.tiny.frame import DigitsImageBuild
+from miles.builtin.tiny import components as C
+from miles.builtin.tiny.build import BuildReport
+from miles.builtin.tiny.frame import DigitsImageBuild
+from miles.builtin.tiny.vae_fit import VAE_STEPS
 from miles.models.tiny.metadata import METADATA_FILE, TINY_SD3_NAME
-from miles.models.tiny.vae_fit import VAE_STEPS
 
 SGLANG_MODEL_ID = "stable-diffusion-3-medium-diffusers"  # the model id sglang's native SD3 pipeline knows
 

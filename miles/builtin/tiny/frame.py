@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import (
+from miles.builtin.tiny.build import (
     PHASES,
     BuildReport,
     Progress,
@@ -97,7 +97,7 @@ class TinyBuild:
         raise NotImplementedError
 
     def vae_fit(self) -> None:
-        from miles.models.tiny import vae_fit
+        from miles.builtin.tiny import vae_fit
 
         self.vae = self.make_vae()
         with self.vae_context():
@@ -108,7 +108,7 @@ class TinyBuild:
     def vae_stats(self) -> None:
         import torch
 
-        from miles.models.tiny import vae_fit
+        from miles.builtin.tiny import vae_fit
 
         with self.vae_context():
             self.latent_stats()
@@ -186,34 +186,34 @@ class DigitsImageBuild(TinyBuild):
         }
 
     def data(self) -> None:
+        from miles.builtin.tiny import vae_fit
         from miles.data.digits import load_digits_split
-        from miles.models.tiny import vae_fit
 
         self.split = load_digits_split()
         self.train = vae_fit.digits_to_vae_input(self.split.train_x)
         self.test = vae_fit.digits_to_vae_input(self.split.test_x)
 
     def make_vae(self) -> Any:
-        from miles.models.tiny import components as C
+        from miles.builtin.tiny import components as C
 
         return C.make_vae(self.seed)
 
     def latent_stats(self) -> None:
-        from miles.models.tiny import vae_fit
+        from miles.builtin.tiny import vae_fit
 
         self.shift, self.scale = vae_fit.set_latent_normalization(self.vae, self.train)
 
     def classifier(self) -> None:
-        from miles.models.tiny.build import score_and_save_classifier
+        from miles.builtin.tiny.build import score_and_save_classifier
 
         self.classifier_meta, self.recon_accuracy = score_and_save_classifier(self.out, self.recon, self.split.test_y)
 
     def metadata(self, report: BuildReport) -> dict[str, Any]:
+        from miles.builtin.tiny import components as C
+        from miles.builtin.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR
         from miles.data.digits import PROMPT_TEMPLATE, SPLIT_SEED
-        from miles.models.tiny import components as C
         from miles.models.tiny.metadata import FORMAT_VERSION, TINY_MAX_SEQUENCE_LENGTH
         from miles.models.tiny.tokenizers import CLIP_MAX_LENGTH
-        from miles.models.tiny.vae_fit import VAE_BATCH_SIZE, VAE_LR
 
         return {
             "name": self.name,
@@ -241,20 +241,20 @@ class DigitFramesBuild(TinyBuild):
     the image digit classifier scores each reconstruction's frame."""
 
     def data(self) -> None:
+        from miles.builtin.tiny.video_vae import digits_to_video_input
         from miles.data.digits import load_digits_split
-        from miles.models.tiny.video_vae import digits_to_video_input
 
         self.split = load_digits_split()
         self.train = digits_to_video_input(self.split.train_x)  # [N, 3, 1, 64, 64]
         self.test = digits_to_video_input(self.split.test_x)
 
     def latent_stats(self) -> None:
-        from miles.models.tiny import vae_fit
+        from miles.builtin.tiny import vae_fit
 
         self.latents_mean, self.latents_std = vae_fit.set_latents_mean_std(self.vae, self.train)
 
     def classifier(self) -> None:
-        from miles.models.tiny.build import score_and_save_classifier
+        from miles.builtin.tiny.build import score_and_save_classifier
 
         recon = self.recon[:, :, 0]  # frame 0 of each
         self.classifier_meta, self.recon_accuracy = score_and_save_classifier(self.out, recon, self.split.test_y)
@@ -270,15 +270,15 @@ class MovingDigitsBuild(TinyBuild):
     recon_batch_size = 32
 
     def data(self) -> None:
+        from miles.builtin.tiny import vae_fit
         from miles.data.digits import load_digits_split
-        from miles.models.tiny import vae_fit
 
         self.split = load_digits_split()
         self.train, _ = vae_fit.digit_videos_to_vae_input(self.split.train_x, self.num_frames)
         self.test, self.test_directions = vae_fit.digit_videos_to_vae_input(self.split.test_x, self.num_frames)
 
     def classifier(self) -> None:
-        from miles.models.tiny.build import score_and_save_video_classifier
+        from miles.builtin.tiny.build import score_and_save_video_classifier
 
         self.classifier_meta, self.recon_accuracy, self.direction_accuracy = score_and_save_video_classifier(
             self.out, self.recon, self.split.test_y, self.test_directions

@@ -28,11 +28,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import BuildReport
-from miles.models.tiny.components import seeded
-from miles.models.tiny.frame import DigitFramesBuild
+from miles.builtin.tiny.build import BuildReport
+from miles.builtin.tiny.components import seeded
+from miles.builtin.tiny.frame import DigitFramesBuild
+from miles.builtin.tiny.video_vae import decode_unclamped, make_wan_vae
 from miles.models.tiny.metadata import FORMAT_VERSION, current_design
-from miles.models.tiny.video_vae import decode_unclamped, make_wan_vae
 
 __all__ = ["TINY_COSMOS3_NAME", "BuildReport", "build_tiny_cosmos3"]
 

@@ -34,11 +34,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles.models.tiny.build import BuildReport
-from miles.models.tiny.components import seeded
-from miles.models.tiny.frame import MovingDigitsBuild
+from miles.builtin.tiny.build import BuildReport
+from miles.builtin.tiny.components import seeded
+from miles.builtin.tiny.frame import MovingDigitsBuild
+from miles.builtin.tiny.video_vae import video_prompts
 from miles.models.tiny.metadata import FORMAT_VERSION, current_design
-from miles.models.tiny.video_vae import video_prompts
 
 __all__ = ["TINY_LTX2_NAME", "BuildReport", "build_tiny_ltx2"]
 
@@ -305,7 +305,7 @@ def set_video_latent_stats(vae: Any, videos: Any, batch_size: int = 32) -> tuple
     `videos`, so the pipeline's normalised latents are zero-mean, unit-variance per channel on the data."""
     import torch
 
-    from miles.models.tiny.vae_fit import encode_mean
+    from miles.builtin.tiny.vae_fit import encode_mean
 
     latents = encode_mean(vae, videos, batch_size).double().transpose(0, 1).flatten(1)
     mean = [round(float(v), 6) for v in latents.mean(dim=1)]
