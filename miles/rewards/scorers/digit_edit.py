@@ -3,14 +3,16 @@
 image is the source, a digit drawn somewhere on a canvas.
 
     digit_edit = p_b(crop(y)) * place * ink
-    place      = exp(-|c(y) - c(x)|^2 / (2 sigma^2)),   sigma = 1/16 of the frame (4 px on a 64-px frame)
+    place      = exp(-|c(y) - c(x)|^2 / (2 sigma^2)),   sigma = 1/8 of the frame (8 px on a 64-px frame)
     ink        = min(m(y), m(x)) / max(m(y), m(x))        (1 when both are blank)
 
 with x the source, y the edited image, both read as gray in [0, 1] (the mean of RGB, on the 8-bit grid as the digit
 reward reads images):
   * c(.) the centre of the ink's box: per axis, the midpoint of the 2% and 98% quantiles of the ink profile (the
-    frame's centre for a blank image), in fractions of the frame (row / H, col / W), so a source and an output of
-    different sizes compare; robust to a few stray pixels, unlike a thresholded bounding box;
+    frame's centre for a blank image), in fractions of the frame ((row + 0.5) / H, (col + 0.5) / W), so a source
+    and an output of different sizes compare; robust to a few stray pixels, unlike a thresholded bounding box. sigma
+    is a quarter of the 32-px digit on a 64-px canvas: two digits drawn in the same square have ink boxes up to one
+    4-px block of the 8x8 grid apart, which costs them 12%;
   * crop(.) the square of half the frame's shorter side centred on c (clamped inside the frame), pooled to the 8x8
     digit the classifier reads; p_b its probability of b under the checkpoint's digit classifier (loaded as the
     `digit` reward loads it, from `--hf-checkpoint`);
@@ -39,7 +41,7 @@ from miles.rewards.scorers.digit import digit_label, load_digit_classifier, on_8
 if TYPE_CHECKING:
     from miles.rewards.dispatch import RewardSettings, Scorer
 
-PLACE_SIGMA = 1.0 / 16.0  # of the frame: 4 px on a 64-px frame
+PLACE_SIGMA = 1.0 / 8.0  # of the frame: 8 px on a 64-px frame
 INK_QUANTILE = 0.02  # the ink box spans the 2%..98% quantiles of each axis's ink profile
 
 
@@ -98,8 +100,8 @@ class EditTerms:
 
 def preservation_terms(edited: np.ndarray, source: np.ndarray) -> tuple[float, float, float]:
     """(place, ink, offset) of two gray images."""
-    c_y = ink_centre(edited) / np.array(edited.shape, dtype=np.float64)
-    c_x = ink_centre(source) / np.array(source.shape, dtype=np.float64)
+    c_y = (ink_centre(edited) + 0.5) / np.array(edited.shape, dtype=np.float64)
+    c_x = (ink_centre(source) + 0.5) / np.array(source.shape, dtype=np.float64)
     offset = float(np.linalg.norm(c_y - c_x))
     place = float(np.exp(-(offset**2) / (2.0 * PLACE_SIGMA**2)))
     m_y, m_x = float(edited.mean()), float(source.mean())
