@@ -17,6 +17,9 @@ Shapes (one sample; T = number of denoising steps, latents are C x h x w):
     Conditions.*            the prompt's encoder outputs (positive; negative when CFG is on)
     Sample.image            [3, H, W] float in [0, 1], the decoded image the reward saw; a video sample's
                             is [3, F, H, W] (latents are then C x f x h x w)
+    Sample.sources          [[3, H, W], ...] float in [0, 1]: the decoded condition images of its prompt row
+                            (an edit's source, an I2V first frame), in the row's order; None for a text prompt.
+                            The rewards that score an edit against its source read them (`needs` "source").
 """
 
 from __future__ import annotations
@@ -91,6 +94,9 @@ class Sample:
     trajectory: Trajectory | None = None
     conditions: Conditions | None = None
     image: torch.Tensor | None = None
+    # the prompt row's condition images, decoded, each [3, H, W] in [0, 1] (None: a text-only prompt); plain tensors,
+    # so a rollout file carries them; a file written before they existed loads with None
+    sources: list[torch.Tensor] | None = None
     reward: float | dict[str, float] | None = None
     # a multi-reward job's raw score of each reward type (`--rm-type a,b`, `--reward-weights`); `reward` is then
     # their weighted sum
