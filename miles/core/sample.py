@@ -91,7 +91,9 @@ class Sample:
     trajectory: Trajectory | None = None
     conditions: Conditions | None = None
     image: torch.Tensor | None = None
-    # the prompt row's condition images (editing, image-to-video), each [3, H, W] in [0, 1]; None: none
+    # the prompt row's condition images (editing, image-to-video): their files (absolute paths, the row's order),
+    # and as the engine decoded them, each [3, H, W] in [0, 1] (None before generation, or without media)
+    media: tuple[str, ...] = ()
     sources: list[torch.Tensor] | None = None
     reward: float | dict[str, float] | None = None
     # a multi-reward job's raw score of each reward type (`--rm-type a,b`, `--reward-weights`); `reward` is then

@@ -62,5 +62,6 @@ class GenerateRequest:
             metadata=copy.deepcopy(self.metadata),
             seed=self.seeds[b],
             status=COMPLETED,
+            media=self.media,
             **fields,
         )
