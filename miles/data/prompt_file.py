@@ -1,8 +1,10 @@
-"""Prompt JSONL files, read line by line (torch-free): the reader the runtime and the preflight share.
+"""Data files, read line by line (torch-free): the low floor of the prompt reader the runtime and the preflight
+share (`miles.data.prompts` builds the records; `miles.data.formats` picks the reader by the file's format).
 
-One object per line (blank lines are skipped):
+A JSONL file holds one object per line (blank lines are skipped):
     {"input": "a photo of a cat", "metadata": {"rm_type": "ocr"}}
-`--input-key` names the prompt (a required, non-empty string); `--metadata-key` names an optional dict.
+`--input-key` names the prompt (a required, non-empty string); `--metadata-key` names an optional dict
+(`PromptKeys` holds the keys a job reads, `--media-key` too).
 
 The file is streamed, so a million lines cost seconds, not memory; a line longer than `MAX_LINE_BYTES` is
 refused without being read whole. Every problem is a one-line `ConfigError` that starts with `file:line` (or the
@@ -17,7 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +31,20 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclass(frozen=True)
-class PromptRecord:
-    """One line of a prompt JSONL file."""
+class PromptKeys:
+    """The keys (columns) a prompt row is read at: `--input-key`, `--metadata-key`, `--media-key`."""
 
-    prompt: str
-    metadata: dict[str, Any] = field(default_factory=dict)
-    line: int = 0
+    input: str = "input"
+    metadata: str | None = "metadata"
+    media: str | None = "media"
+
+    @classmethod
+    def of(cls, args: Any, evaluation: bool = False) -> PromptKeys:
+        """The keys of the job's prompt data, or (`evaluation`) of its eval sets: `--eval-input-key` and
+        `--eval-media-key` when given, else `--input-key` and `--media-key`."""
+        input_key = (getattr(args, "eval_input_key", None) if evaluation else None) or args.input_key or "input"
+        media_key = (getattr(args, "eval_media_key", None) if evaluation else None) or getattr(args, "media_key", None)
+        return cls(input_key, args.metadata_key or "metadata", media_key or "media")
 
 
 def kind(value: Any) -> str:
@@ -59,7 +69,8 @@ def url_problem(spec: str | os.PathLike, what: str = "prompt data") -> str | Non
     return None
 
 
-def _open(path: Path, what: str):
+def open_data_file(path: Path, what: str):
+    """`path` opened for reading bytes; ConfigError (one line) when it is missing, a folder or not a regular file."""
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory, not a {what} file (name the .jsonl file inside it)")
     if not path.is_file():
@@ -72,16 +83,14 @@ def _open(path: Path, what: str):
         raise ConfigError(f"{path}: cannot read the {what} file ({exc.strerror or exc})") from None
 
 
-def iter_jsonl_objects(
-    path: str | os.PathLike, what: str = "prompt data"
-) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """`(file:line, line, object)` for every non-blank line of a JSONL file, streamed; any problem is a
-    one-line ConfigError naming the file (and the line)."""
+def iter_text_lines(path: str | os.PathLike, what: str = "prompt data") -> Iterator[tuple[str, int, str]]:
+    """`(file:line, line, text)` for every line of a UTF-8 text file, blank ones included, streamed; a line
+    longer than `MAX_LINE_BYTES` or not UTF-8 is a one-line ConfigError naming `file:line`."""
     url = url_problem(path, what)
     if url:
         raise ConfigError(url)
     path = Path(path)
-    handle = _open(path, what)
+    handle = open_data_file(path, what)
     name = str(path)
     with handle:
         lineno = 0
@@ -97,21 +106,30 @@ def iter_jsonl_objects(
             if len(raw_bytes) > MAX_LINE_BYTES and not raw_bytes.endswith(b"\n"):
                 raise ConfigError(
                     f"{where}: line longer than {MAX_LINE_BYTES // 2**20} MiB (MAX_LINE_BYTES, "
-                    f"miles.data.prompt_file); a {what} line is one JSON object: is this the right file?"
+                    f"miles.data.prompt_file); a {what} line is one row: is this the right file?"
                 )
             try:
-                raw = raw_bytes.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                yield where, lineno, raw_bytes.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 raise ConfigError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start + 1})") from None
-            if not raw.strip():
-                continue
-            row = _parse_line(where, raw)
-            if not isinstance(row, dict):
-                raise ConfigError(f"{where}: expected a JSON object, got {kind(row)}")
-            unencodable = unencodable_text(row)
-            if unencodable:
-                raise ConfigError(f"{where}: {unencodable}")
-            yield where, lineno, row
+
+
+def iter_jsonl_objects(
+    path: str | os.PathLike, what: str = "prompt data"
+) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """`(file:line, line, object)` for every non-blank line of a JSONL file, streamed; any problem is a
+    one-line ConfigError naming the file (and the line)."""
+    for where, lineno, raw in iter_text_lines(path, what):
+        if not raw.strip():
+            continue
+        row = _parse_line(where, raw)
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {kind(row)}")
+        # valid UTF-8 holds no surrogate: only a JSON escape (`\\udc80`) makes one, so a line without `\\u` is fine
+        unencodable = unencodable_text(row) if "\\u" in raw else None
+        if unencodable:
+            raise ConfigError(f"{where}: {unencodable}")
+        yield where, lineno, row
 
 
 def unencodable_text(value: Any, path: str = "") -> str | None:
@@ -178,40 +196,3 @@ def text_field(where: str, row: dict[str, Any], key: str) -> str:
     if not value.strip():
         raise ConfigError(f"{where}: {key!r} is empty")
     return value
-
-
-def prompt_record(
-    where: str, lineno: int, row: dict[str, Any], input_key: str = "input", metadata_key: str | None = "metadata"
-) -> PromptRecord:
-    """The `PromptRecord` of one line (see `prompt_fields`)."""
-    prompt, metadata = prompt_fields(where, row, input_key, metadata_key)
-    return PromptRecord(prompt=prompt, metadata=metadata, line=lineno)
-
-
-def check_sft_row(where: str, row: dict[str, Any], input_key: str) -> None:
-    """An SFT row names its image (or video) and its caption at `--input-key`, a non-empty string (as a prompt
-    line's prompt is); ConfigError naming `where`."""
-    if ("image" not in row and "video" not in row) or input_key not in row:
-        raise ConfigError(f"{where}: an SFT row needs 'image' (or 'video') and {input_key!r} (--input-key)")
-    text_field(where, row, input_key)
-
-
-def iter_prompt_records(
-    path: str | os.PathLike, input_key: str = "input", metadata_key: str | None = "metadata"
-) -> Iterator[tuple[str, PromptRecord]]:
-    """`(file:line, record)` for every prompt line, streamed; ConfigError on the first bad line or an empty file."""
-    count = 0
-    for where, lineno, row in iter_jsonl_objects(path):
-        count += 1
-        yield where, prompt_record(where, lineno, row, input_key, metadata_key)
-    if not count:
-        raise ConfigError(f"{path}: no prompts (the file is empty)")
-
-
-def load_prompt_jsonl(
-    path: str | os.PathLike,
-    input_key: str = "input",
-    metadata_key: str | None = "metadata",
-) -> list[PromptRecord]:
-    """Read a prompt JSONL file; every problem is a one-line ConfigError naming `file:line`."""
-    return [record for _, record in iter_prompt_records(path, input_key, metadata_key)]

@@ -1,26 +1,33 @@
-"""Data files: the prompt data, the eval sets and SFT data, streamed line by line through the reader the runtime
-uses (`miles.data.prompt_file`), so a problem is the line the runtime would have stopped at, found first.
+"""Data files: the prompt data, the eval sets and SFT data, streamed row by row through the reader the runtime
+uses (`miles.data.prompts`, over every format of `miles.data.formats`), so a problem is the row the runtime would
+have stopped at, found first.
 
-A prompt line must parse, carry a non-empty string at `--input-key` and an object (or nothing) at
-`--metadata-key`, and hold what its reward needs (`miles.rewards.dispatch.check_reward_inputs`: a digit
-label, a quoted OCR target). An SFT row names its caption (a non-empty string) and an image (or video) file that
-exists; an image must decode (PIL's `verify`, a read of the file without decoding every pixel). Under a method whose
-`train sft` rows are preferences (offline DPO, the method table's `sft_rows`), a row names its caption and two
-different image files, each existing and decoding (`miles.training.preference_rows`). Built-in data sets
-pass (they are generated on first use). A URL is refused as the user wrote it (only local files are read).
+A prompt row must parse, carry a non-empty string at `--input-key`, an object (or nothing) at `--metadata-key` and a
+well-formed list (or nothing) at `--media-key`, and hold what its reward needs (`miles.rewards.dispatch.
+check_reward_inputs`: a digit label, a quoted OCR target). Every medium a row names must be a regular file that
+decodes (`miles.data.media`: PIL opens it, its size is at most `MAX_MEDIA_PIXELS`, every pixel is decoded; a video
+PIL cannot read is only checked to exist). An SFT row names its caption (a non-empty string) and an image (or video)
+file that exists; an image must decode (the same check). Under a method whose `train sft` rows are preferences
+(offline DPO, the method table's `sft_rows`), a row names its caption and two different image files, each existing
+and decoding (`miles.training.preference_rows`). SFT and preference rows may carry media too, checked the same way.
+Built-in data sets pass (they are generated on first use). A URL is refused as the user wrote it (only local files
+are read).
 
-"; fix or remove that line" follows a problem of one line of a file (`file:LINE: ...`), never one of the file as
-a whole.
+"; fix or remove that line" follows a problem of one line (or row) of a file (`file:LINE: ...`, `file:row N: ...`),
+never one of the file as a whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
-from miles.data.prompt_file import check_sft_row, iter_jsonl_objects, kind, prompt_fields, url_problem
+from miles.data.media import MediaRef, check_image, check_media
+from miles.data.prompt_file import PromptKeys, iter_jsonl_objects, kind, url_problem
+from miles.data.prompts import check_sft_row, iter_prompt_rows
 from miles.utils.text import clip, clip_repr
 
 if TYPE_CHECKING:
@@ -68,16 +75,28 @@ def reward_check(args: Any) -> LineCheck | None:
     return check
 
 
-def scan_prompt_file(path: Path, input_key: str, metadata_key: str | None, checks: list[LineCheck]) -> None:
-    """Read every line of a prompt file; ConfigError at the first bad one (or when there is none)."""
-    count = 0
-    for where, _, row in iter_jsonl_objects(path):
-        prompt, metadata = prompt_fields(where, row, input_key, metadata_key)
+@dataclass
+class DataCount:
+    """What a scan read: its rows, and how many of them carry media."""
+
+    rows: int = 0
+    with_media: int = 0
+
+    def add(self, media: tuple[MediaRef, ...]) -> None:
+        self.rows += 1
+        self.with_media += bool(media)
+
+
+def scan_prompt_file(path: Path, keys: PromptKeys, checks: list[LineCheck]) -> DataCount:
+    """Read every row of the prompt data (any format) and check its media files; ConfigError at the first bad row
+    (or when there is none)."""
+    count = DataCount()
+    for where, row, record in iter_prompt_rows(path, keys):
         for check in checks:
-            check(where, row, prompt, metadata)
-        count += 1
-    if not count:
-        raise ConfigError(f"{path}: no prompts (the file is empty)")
+            check(where, row, record.prompt, record.metadata)
+        check_media(where, keys.media, record.media)
+        count.add(record.media)
+    return count
 
 
 def _first_row_has_image(args: Any) -> LineCheck:
@@ -95,40 +114,47 @@ def _first_row_has_image(args: Any) -> LineCheck:
     return check
 
 
-def scan_sft_file(path: Path, input_key: str) -> None:
-    """Every SFT row names its caption and an image (or video) file that exists (relative to the JSONL file)."""
-    count = 0
+def scan_sft_file(path: Path, keys: PromptKeys) -> DataCount:
+    """Every SFT row names its caption and an image (or video) file that exists (relative to the JSONL file), and
+    every medium it carries exists and decodes."""
+    count = DataCount()
+    root = path.parent
     for where, _, row in iter_jsonl_objects(path, "SFT data"):
-        check_sft_row(where, row, input_key)
+        media = check_sft_row(where, row, keys, root)
         key = "video" if "video" in row else "image"
         name = row[key]
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: {key!r} must be a file path, got {kind(name)}")
-        file = path.parent / name
+        file = root / name
         if not file.is_file():
             raise ConfigError(f"{where}: SFT {key} not found: {clip(str(file), 160)}")
         if key == "image":
-            _check_image(where, file)
-        count += 1
-    if not count:
+            check_image(where, file, "SFT image")
+        check_media(where, keys.media, media)
+        count.add(media)
+    if not count.rows:
         raise ConfigError(f"{path}: no SFT rows")
+    return count
 
 
-def scan_preference_file(path: Path, args: Any) -> None:
-    """Every preference row (offline DPO) names its caption and two different image files that exist and decode."""
+def scan_preference_file(path: Path, args: Any) -> DataCount:
+    """Every preference row (offline DPO) names its caption and two different image files that exist and decode,
+    and every medium it carries exists and decodes."""
     from miles.training.preference_rows import check_preference_row, preference_keys
 
-    count = 0
+    count = DataCount()
     for where, _, row in iter_jsonl_objects(path, "preference data"):
-        check_preference_row(where, row, args)
+        parsed = check_preference_row(where, row, args, path.parent)
         for key, flag in preference_keys(args)[1:]:
             file = path.parent / row[key]
             if not file.is_file():
                 raise ConfigError(f"{where}: {key!r} ({flag}) image not found: {clip(str(file), 160)}")
-            _check_image(where, file)
-        count += 1
-    if not count:
+            check_image(where, file, "SFT image")
+        check_media(where, args.media_key, parsed.media)
+        count.add(parsed.media)
+    if not count.rows:
         raise ConfigError(f"{path}: no preference rows")
+    return count
 
 
 def _sft_rows(args: Any) -> str:
@@ -137,22 +163,6 @@ def _sft_rows(args: Any) -> str:
 
     known = METHODS.get(str(args.loss_type))
     return known.sft_rows if known is not None else "image"
-
-
-def _check_image(where: str, file: Path) -> None:
-    """ConfigError naming `where` unless PIL can read `file` as an image (`verify`: headers and checksums)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(file) as image:
-            image.verify()
-    except UnidentifiedImageError:
-        raise ConfigError(
-            f"{where}: SFT image {clip(str(file), 160)} does not decode (not an image PIL knows)"
-        ) from None
-    except Exception as exc:  # a damaged file: OSError, SyntaxError, ValueError, struct.error, ...
-        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{where}: SFT image {clip(str(file), 160)} does not decode ({clip(detail, 120)})") from None
 
 
 def _job_scores_prompts(resolved: ResolvedJob) -> bool:
@@ -176,7 +186,7 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
             scan_preference_file(path, args)
             return []
         if job.trains_on_dataset:
-            scan_sft_file(path, args.input_key)
+            scan_sft_file(path, PromptKeys.of(args))
             return []
         if args.disable_rollout_global_dataset or args.data_source_path:
             return []  # your data source reads the data its own way
@@ -186,19 +196,20 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
             checks.append(reward)
         if job.distills and float(args.dmd2_gan_loss_weight) > 0:
             checks.append(_first_row_has_image(args))
-        scan_prompt_file(path, args.input_key, args.metadata_key, checks)
+        scan_prompt_file(path, PromptKeys.of(args), checks)
     except ConfigError as exc:
         return [f"--prompt-data {exc}{_hint(str(exc), path)}"]
     return []
 
 
 def _hint(message: str, path: Path) -> str:
-    """'; fix or remove that line' after a problem of one line of `path` (`path:LINE: ...`), else nothing."""
+    """'; fix or remove that line' after a problem of one line (or row) of `path` (`path:LINE: ...`,
+    `path:row N: ...`), else nothing."""
     prefix = f"{path}:"
     if not message.startswith(prefix):
         return ""
     line, sep, _ = message[len(prefix) :].partition(": ")
-    return f"; {_REMEDY}" if sep and line.isdigit() else ""
+    return f"; {_REMEDY}" if sep and line.removeprefix("row ").isdigit() else ""
 
 
 def eval_data_used(resolved: ResolvedJob) -> bool:
@@ -241,8 +252,7 @@ def check_eval_data(resolved: ResolvedJob) -> list[str]:
             continue
         path = Path(spec).expanduser()
         try:
-            key = args.eval_input_key or args.input_key
-            scan_prompt_file(path, key, args.metadata_key, [reward] if reward else [])
+            scan_prompt_file(path, PromptKeys.of(args, evaluation=True), [reward] if reward else [])
         except ConfigError as exc:
             problems.append(f"{label} {exc}{_hint(str(exc), path)}")
     return problems

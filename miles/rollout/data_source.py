@@ -1,9 +1,11 @@
 """Prompt data sources: the global data set with per-epoch shuffling, and the buffer.
 
-Prompt JSONL, one object per line (blank lines are skipped), read by the streaming reader of
-`miles.data.prompt_file` (re-exported here: `iter_jsonl_objects`, `load_prompt_jsonl`, `PromptRecord`):
+Prompt data (JSONL, one object per line; or a `.txt`, `.parquet` or `datasets` folder, `miles.data.formats`), read
+by the streaming reader of `miles.data.prompts` (re-exported here: `iter_jsonl_objects`, `load_prompts`,
+`PromptRecord`):
     {"input": "a photo of a cat", "metadata": {"rm_type": "ocr"}}
-`--input-key` names the prompt (a required, non-empty string); `--metadata-key` names an optional dict.
+`--input-key` names the prompt (a required, non-empty string); `--metadata-key` names an optional dict,
+`--media-key` an optional list of condition media (`miles.data.media`).
 `--prompt-data` is a file path or a built-in data set name such as `digits:train`.
 
 `get_samples(num_prompts)` returns `num_prompts` groups; a group is one prompt repeated
@@ -34,9 +36,10 @@ import numpy as np
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
 from miles.data.prompt_file import MAX_LINE_BYTES as MAX_LINE_BYTES
-from miles.data.prompt_file import PromptRecord as PromptRecord
+from miles.data.prompt_file import PromptKeys
 from miles.data.prompt_file import iter_jsonl_objects as iter_jsonl_objects
-from miles.data.prompt_file import load_prompt_jsonl as load_prompt_jsonl
+from miles.data.prompts import PromptRecord as PromptRecord
+from miles.data.prompts import load_prompts as load_prompts
 from miles.sampling.seeds import group_sample_seeds
 from miles.utils.atomic import atomic_write_text
 from miles.utils.hooks import load_class, load_function
@@ -99,11 +102,7 @@ class RolloutDataSource:
         spec = args.prompt_data
         if spec is not None and not args.disable_rollout_global_dataset:
             self.path = resolve_prompt_data(args, spec)
-            self.dataset = load_prompt_jsonl(
-                self.path,
-                input_key=args.input_key or "input",
-                metadata_key=args.metadata_key or "metadata",
-            )
+            self.dataset = load_prompts(self.path, PromptKeys.of(args))
 
     def __len__(self) -> int:
         return len(self.dataset) if self.dataset is not None else 0

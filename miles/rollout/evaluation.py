@@ -18,7 +18,8 @@ from typing import Any
 
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
-from miles.rollout.data_source import load_prompt_jsonl, resolve_prompt_data
+from miles.data.prompt_file import PromptKeys
+from miles.rollout.data_source import load_prompts, resolve_prompt_data
 from miles.sampling.seeds import group_sample_seeds
 
 EVAL_SEED_OFFSET = 1_000_003  # eval seeds never collide with the training layout's first groups
@@ -150,8 +151,7 @@ def _positive_int(value: Any, where: str) -> int:
 
 
 def eval_groups(args: Any, dataset: EvalDataset) -> list[list[Sample]]:
-    key = args.eval_input_key or args.input_key
-    records = load_prompt_jsonl(resolve_prompt_data(args, dataset.path), key, args.metadata_key)
+    records = load_prompts(resolve_prompt_data(args, dataset.path), PromptKeys.of(args, evaluation=True))
     groups, index = [], 0
     n = dataset.n_samples_per_prompt
     for g, record in enumerate(records):

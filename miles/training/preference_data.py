@@ -58,14 +58,15 @@ def encode_preference_dataset(args: Any, batch_size: int = 32) -> PreferenceData
     latents = []
     for i in range(0, len(rows), batch_size):
         cut = rows[i : i + batch_size]
-        pixels = [load_image((path.parent / name).resolve(), encoder.size) for r in cut for name in r[1:3]]
+        names = [name for r in cut for name in (r.chosen, r.rejected)]
+        pixels = [load_image((path.parent / name).resolve(), encoder.size) for name in names]
         encoded = encode_pixels(encoder, torch.stack(pixels)).float()
         latents.append(encoded.reshape(len(cut), 2, *encoded.shape[1:]))
-    captions = [r[0] for r in rows]
+    captions = [r.caption for r in rows]
     cache = caption_conditions(args, encoder, captions)
     return PreferenceDataset(
         latents=torch.cat(latents),
         conditions=[cache[c] for c in captions],
         prompts=captions,
-        metadata=[r[3] for r in rows],
+        metadata=[r.metadata for r in rows],
     )

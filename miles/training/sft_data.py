@@ -2,7 +2,9 @@
 
 A row is `{"image": "path.png", "<input-key>": "caption", "metadata": {...}}` or, for a video family,
 `{"video": "clip.webp", ...}` (animated WebP/GIF; frames at `--sft-frame-stride`, the first
-`--diffusion-output-num-frames` of them when that is > 1); a relative path is relative to the JSONL file.
+`--diffusion-output-num-frames` of them when that is > 1); a relative path is relative to the JSONL file. A row may
+carry condition media at `--media-key` (an edit's source image, `miles.data.media`): read and checked here, not yet
+used by the trainer.
 Images (and frames) are resized (center crop) to `--diffusion-height/width`
 and encoded with the pipeline's VAE (`--sft-encoder-checkpoint`, default `--hf-checkpoint`) into
 normalised latents; captions are encoded once each. A caption is replaced by the negative prompt's
@@ -20,7 +22,8 @@ import torch
 
 from miles.core.errors import ConfigError
 from miles.core.sample import Conditions, Sample
-from miles.data.prompt_file import check_sft_row, iter_jsonl_objects
+from miles.data.prompt_file import PromptKeys, iter_jsonl_objects
+from miles.data.prompts import check_sft_row
 from miles.models.pipeline_config import prompt_geometry
 
 SFT_CFG_DROPOUT = 0.1
@@ -55,10 +58,12 @@ class SFTDataset:
         return self.latents[rows], samples
 
 
-def read_rows(path: Path, input_key: str) -> list[dict[str, Any]]:
+def read_rows(path: Path, input_key: str, media_key: str | None = "media") -> list[dict[str, Any]]:
+    """The SFT rows of `path`, each checked (its caption, its file keys, its media list: `check_sft_row`)."""
+    keys = PromptKeys(input=input_key, media=media_key)
     rows = []
     for where, _, row in iter_jsonl_objects(path, "SFT data"):
-        check_sft_row(where, row, input_key)
+        check_sft_row(where, row, keys, path.parent)
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: no SFT rows")
@@ -165,7 +170,7 @@ def caption_conditions(args: Any, encoder: Encoder, captions: list[str]) -> dict
 @torch.no_grad()
 def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     path = data_path(args)
-    rows = read_rows(path, args.input_key)
+    rows = read_rows(path, args.input_key, args.media_key)
     encoder = open_encoder(args)
     size = encoder.size
     frames = int(args.diffusion_output_num_frames)

@@ -320,6 +320,9 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--reward-guard-patience": (INT, 2),
     "--reward-guard-tolerance": (FLOAT, 0.0),
     "--reward-guard-min-diversity": (FLOAT, None),
+    # issue 49: condition media on data rows
+    "--media-key": (STR, "media"),
+    "--eval-media-key": (STR, None),
 }
 
 EXPECTED_GROUPS = (

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from preflight_helpers import Job, digit_prompts, write_lines
 
-from miles.data.prompt_file import MAX_LINE_BYTES, iter_jsonl_objects, load_prompt_jsonl
+from miles.data.prompt_file import MAX_LINE_BYTES, PromptKeys, iter_jsonl_objects
+from miles.data.prompts import load_prompts
 from miles.preflight import find_problems
 
 
@@ -25,7 +26,7 @@ def test_the_preflight_line_is_the_runtime_line_with_the_flag(job: Job, tmp_path
 
     bad = write_lines(tmp_path / "bad.jsonl", [*digit_prompts(2), "{oops"])
     with pytest.raises(ConfigError) as info:
-        load_prompt_jsonl(bad)
+        load_prompts(bad)
     (line,) = find_problems(job("rollout-only", prompt_data=str(bad)))
     assert line.startswith(f"--prompt-data {info.value}")
 
@@ -41,7 +42,8 @@ def test_a_directory(job: Job, tmp_path: Path) -> None:
     folder = tmp_path / "data"
     folder.mkdir()
     assert find_problems(job("rl", prompt_data=str(folder))) == [
-        f"--prompt-data {folder}: is a directory, not a prompt data file (name the .jsonl file inside it)"
+        f"--prompt-data {folder}: is a directory, not a prompt data file (name the file inside it) nor a folder "
+        "Dataset.save_to_disk wrote (it has no state.json)"
     ]
 
 
@@ -122,7 +124,7 @@ def test_a_line_of_exactly_the_limit_is_read() -> None:
     row["input"] = "y" * pad
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as handle:
         handle.write(json.dumps(row) + "\n" + json.dumps({"input": "z"}) + "\n")
-    assert [r.prompt[:1] for r in load_prompt_jsonl(handle.name)] == ["y", "z"]
+    assert [r.prompt[:1] for r in load_prompts(handle.name)] == ["y", "z"]
     Path(handle.name).unlink()
 
 
@@ -198,7 +200,7 @@ def test_a_million_lines_stream_in_seconds(tmp_path: Path) -> None:
     line = json.dumps({"input": "the digit 3", "metadata": {"label": 3}}) + "\n"
     path.write_text(line * 200_000)
     start = time.perf_counter()
-    scan_prompt_file(path, "input", "metadata", [])
+    scan_prompt_file(path, PromptKeys(), [])
     assert time.perf_counter() - start < 3.0  # 200k lines here; the bench runs the million
 
 

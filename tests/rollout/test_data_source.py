@@ -12,11 +12,12 @@ from miles.config.args import Args
 from miles.config.resolution import schema_args
 from miles.core.errors import ConfigError
 from miles.core.sample import Sample
+from miles.data.prompt_file import PromptKeys
 from miles.rollout.data_source import (
     RolloutDataSource,
     RolloutDataSourceWithBuffer,
     load_data_source,
-    load_prompt_jsonl,
+    load_prompts,
     num_rollout_for,
     pop_first,
 )
@@ -63,7 +64,7 @@ def prompts_file(tmp_path: Path) -> Path:
 def test_bad_line_names_file_and_line(tmp_path: Path, bad_line: str, needle: str) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"input": "a"}, "", bad_line, {"input": "b"}])
     with pytest.raises(ConfigError) as info:
-        load_prompt_jsonl(path)
+        load_prompts(path)
     message = str(info.value)
     assert f"{path}:3:" in message
     assert needle in message
@@ -73,21 +74,21 @@ def test_bad_line_names_file_and_line(tmp_path: Path, bad_line: str, needle: str
 def test_missing_key_names_the_custom_key(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"text": "a"}, {"input": "b"}])
     with pytest.raises(ConfigError, match=r"p\.jsonl:2: missing key 'text' \(--input-key\)"):
-        load_prompt_jsonl(path, input_key="text")
+        load_prompts(path, PromptKeys(input="text"))
 
 
 def test_reader_keeps_metadata_and_skips_blank_lines(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"input": "a", "metadata": {"rm_type": "ocr"}}, "", {"input": "b"}])
-    records = load_prompt_jsonl(path)
+    records = load_prompts(path)
     assert [(r.prompt, r.metadata, r.line) for r in records] == [("a", {"rm_type": "ocr"}, 1), ("b", {}, 3)]
 
 
 def test_missing_and_empty_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
-        load_prompt_jsonl(tmp_path / "nope.jsonl")
+        load_prompts(tmp_path / "nope.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(ConfigError, match="no prompts"):
-        load_prompt_jsonl(tmp_path / "empty.jsonl")
+        load_prompts(tmp_path / "empty.jsonl")
 
 
 def test_bad_data_source_file_error_from_args(tmp_path: Path) -> None:

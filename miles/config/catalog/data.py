@@ -9,9 +9,22 @@ GROUP = "Data and batching"
 _f = flag_maker(GROUP)
 
 FLAGS: list[Flag] = [
-    _f("prompt-data", PATH, None, "Prompt dataset: a JSONL file with one prompt per line."),
-    _f("input-key", STR, "input", "JSONL key holding the prompt text."),
-    _f("metadata-key", STR, "metadata", "JSONL key holding the per-prompt metadata dict."),
+    _f(
+        "prompt-data",
+        PATH,
+        None,
+        "Prompt data, by its extension: .jsonl (one JSON object a line), .txt (one prompt a line), .parquet, or a "
+        "folder Dataset.save_to_disk wrote.",
+    ),
+    _f("input-key", STR, "input", "Key (column) holding the prompt text."),
+    _f("metadata-key", STR, "metadata", "Key (column) holding the per-prompt metadata dict."),
+    _f(
+        "media-key",
+        STR,
+        "media",
+        "Key (column) holding a row's condition media: a list of {role, image or video} objects, paths relative to "
+        "the data file's folder.",
+    ),
     _f(
         "chosen-key",
         STR,

@@ -20,6 +20,7 @@ FLAGS: list[Flag] = [
         "Eval rollout function (rollout shape, evaluation=True); default: --rollout-function-path.",
     ),
     _f("eval-input-key", STR, None, "JSONL prompt key of eval datasets; default: --input-key."),
+    _f("eval-media-key", STR, None, "Media key (column) of eval datasets; default: --media-key."),
     _f("n-samples-per-eval-prompt", INT, 1, "Samples generated per eval prompt.", min=1),
     _f("diffusion-eval-num-steps", INT, None, "Denoising steps for eval; default: --diffusion-num-steps.", min=1),
     _f("skip-eval-before-train", BOOL, False, "Do not run an evaluation before the first training step."),

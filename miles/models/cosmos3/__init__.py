@@ -1,1 +1,1 @@
-"""The `cosmos3` family (Cosmos3OmniPipeline) and its embedded tiny build."""
+"""The `cosmos3` family (Cosmos3OmniPipeline); its tiny build is `miles.builtin.tiny.cosmos3`."""

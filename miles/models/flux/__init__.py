@@ -1,1 +1,2 @@
-"""The `flux` family package: its `TrainPipelineConfig` (`config`) and the offline `tiny-flux` builder (`tiny`)."""
+"""The `flux` family package: its `TrainPipelineConfig` (`config`); the offline `tiny-flux` build is
+`miles.builtin.tiny.flux`."""

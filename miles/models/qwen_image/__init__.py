@@ -1,2 +1,2 @@
-"""The `qwen_image` family package: its `TrainPipelineConfig` (`config`), the offline `tiny-qwen-image` builder
-(`tiny`) and its byte-level BPE tokenizer (`tokenizer`)."""
+"""The `qwen_image` family package: its `TrainPipelineConfig` (`config`) and its byte-level BPE tokenizer
+(`tokenizer`); the offline `tiny-qwen-image` build is `miles.builtin.tiny.qwen_image`."""

@@ -1,2 +1,2 @@
-"""The `wan2_2` family package: its `TrainPipelineConfig` (`config`), the two-expert module (`experts`) and the
-offline `tiny-wan2_2` builder (`tiny`)."""
+"""The `wan2_2` family package: its `TrainPipelineConfig` (`config`) and the two-expert module (`experts`); the
+offline `tiny-wan2_2` build is `miles.builtin.tiny.wan2_2`."""
