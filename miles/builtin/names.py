@@ -53,6 +53,8 @@ BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {
     "digits-preference": ("train", "test"),  # preference rows (offline DPO), which are prompt lines too
     "digits-edit": ("train", "test", "sft", "sft-test"),  # the edit task: rows with a source image (media)
 }
+# the sets whose rows carry condition images (media), and how many per row; the others carry none
+DATASET_CONDITION_IMAGES: dict[str, int] = {"digits-edit": 1}
 # name -> (module, writer): the module has FORMAT_VERSION and MANIFEST; writer(out_dir) writes the whole set
 DATASET_WRITERS: dict[str, tuple[str, str]] = {
     "digits": ("miles.data.digits", "write_digits_data"),

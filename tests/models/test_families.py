@@ -43,6 +43,7 @@ def test_registered_keys():
         ("black-forest-labs/FLUX.1-schnell", "flux"),
         ("tiny-flux", "flux"),
         ("black-forest-labs/FLUX.1-Kontext-dev", "flux_kontext"),
+        ("tiny-flux-kontext", "flux_kontext"),
         ("Lightricks/LTX-2", "ltx"),
         ("nvidia/Cosmos3-Nano", "cosmos3"),
     ],

@@ -33,7 +33,7 @@ def reference_image_ids(grid: Any, device: Any, dtype: Any) -> Any:
 @register_train_pipeline_config("flux_kontext")
 class FluxKontextTrainPipelineConfig(FluxTrainPipelineConfig):
     description = "FLUX.1 Kontext image editing (FLUX.1 DiT, the source image's packed tokens in the sequence)"
-    hf_ckpt_name_patterns = ("kontext",)
+    hf_ckpt_name_patterns = ("kontext", "flux.1-kontext", "tiny-flux-kontext")
     pipeline_class = "diffusers.FluxKontextPipeline"
     condition_inputs = ("encoder_hidden_states", "pooled_projections", "guidance", "ref_tokens", "ref_grid")
     condition_images = (1, 1)
