@@ -50,6 +50,7 @@ PATH_RULES: dict[str, str] = {
     "pickscore_processor_path": MODEL,
     "clip_score_model_path": MODEL,
     "clip_score_processor_path": MODEL,
+    "dino_model_path": MODEL,
     "aesthetic_model_path": OUTPUT,  # a weights file, read from disk only
     "aesthetic_clip_path": MODEL,
     "hps_model_path": OUTPUT,  # a weights file

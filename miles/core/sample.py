@@ -17,6 +17,9 @@ Shapes (one sample; T = number of denoising steps, latents are C x h x w):
     Conditions.*            the prompt's encoder outputs (positive; negative when CFG is on)
     Sample.image            [3, H, W] float in [0, 1], the decoded image the reward saw; a video sample's
                             is [3, F, H, W] (latents are then C x f x h x w)
+    Sample.sources          [[3, H, W], ...] float in [0, 1]: the decoded condition images of its prompt row
+                            (an edit's source, an I2V first frame), in the row's order; None for a text prompt.
+                            The rewards that score an edit against its source read them (`needs` "source").
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class Sample:
     conditions: Conditions | None = None
     image: torch.Tensor | None = None
     # the prompt row's condition images (editing, image-to-video): their files (absolute paths, the row's order),
-    # and as the engine decoded them, each [3, H, W] in [0, 1] (None before generation, or without media)
+    # and as the engine decoded them, each [3, H, W] in [0, 1] (None: a text-only prompt, or not generated yet);
+    # plain tensors and strings, so a rollout file carries them; a file written before they existed loads without
     media: tuple[str, ...] = ()
     sources: list[torch.Tensor] | None = None
     reward: float | dict[str, float] | None = None

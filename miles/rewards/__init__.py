@@ -26,7 +26,8 @@ class RewardType:
     """One `--rm-type`.
 
     build: `module:function(settings) -> scorer(images, prompts, metadata) -> list[float]`, the in-process scorer
-        (None: a type that is not scored by a built-in scorer, `remote_rm` scores through its client).
+        (None: a type that is not scored by a built-in scorer, `remote_rm` scores through its client); a sourced
+        type's scorer is `scorer(images, prompts, metadata, sources=...)`.
     required: flags (dests) the type cannot score without; the config refuses a job that misses one.
     model_paths: (dest, kind) of the local files it loads (kind as `miles.preflight.models` checks them:
         clip_model, clip_processor, file, dir); the preflight checks each exists before anything starts.
@@ -34,8 +35,10 @@ class RewardType:
     workers_flag: the flag (dest) giving its pool's worker count (None: one worker).
     gpu_flag: the flag (dest) giving GPUs per worker (None: CPU workers); only PickScore's workers sit in the
         placement plan's reward slots today.
-    needs: what it reads of a prompt line, for the preflight: `label` (metadata.label 0-9), `quoted` (a quoted
-        target in the prompt) or None.
+    needs: what it reads of a prompt line beyond the prompt: `label` (metadata.label 0-9), `quoted` (a quoted
+        target in the prompt), `source` (the row's condition images, `Sample.sources`: a type that scores an edit
+        against its source; the dispatch passes them to its scorer as `sources=`, one list per sample, and refuses a
+        sample without one).
     gold: it may serve as `--gold-rm-type` (a reward computed in-process on the eval samples).
     """
 
@@ -47,8 +50,13 @@ class RewardType:
     pooled: bool = False
     workers_flag: str | None = None
     gpu_flag: str | None = None
-    needs: str | None = None
+    needs: tuple[str, ...] = ()
     gold: bool = True
+
+    @property
+    def sourced(self) -> bool:
+        """It scores an edit against its source: its scorer takes `sources=` (each sample's condition images)."""
+        return "source" in self.needs
 
 
 _SCORERS = "miles.rewards.scorers"
@@ -60,7 +68,7 @@ REWARD_TYPES: dict[str, RewardType] = {
             "digit",
             "the embedded digit classifier's probability of metadata.label",
             f"{_SCORERS}.digit:build",
-            needs="label",
+            needs=("label",),
         ),
         RewardType(
             "ocr",
@@ -68,7 +76,7 @@ REWARD_TYPES: dict[str, RewardType] = {
             f"{_SCORERS}.ocr:build",
             pooled=True,
             workers_flag="ocr_num_workers",
-            needs="quoted",
+            needs=("quoted",),
         ),
         RewardType(
             "pickscore",
@@ -127,6 +135,48 @@ REWARD_TYPES: dict[str, RewardType] = {
             "a VLM behind an OpenAI chat API (your sglang or vLLM server): a 1-N rating parsed from its answer, / N",
             f"{_SCORERS}.vlm_judge:build",
             required=("vlm_judge_url",),
+        ),
+        # ---- an edit scored against its source (the prompt row's condition images, `Sample.sources`) ----
+        RewardType(
+            "clip_i",
+            "CLIP-I: cos(E_I(edited), E_I(source)), how much of the source an edit keeps (the CLIP of clip_score)",
+            f"{_SCORERS}.clip_i:build",
+            required=("clip_score_model_path",),
+            model_paths=(("clip_score_model_path", "clip_model"), ("clip_score_processor_path", "clip_processor")),
+            pooled=True,
+            needs=("source",),
+        ),
+        RewardType(
+            "clip_directional",
+            "CLIP directional similarity: cos(E_I(edited) - E_I(source), E_T(target caption) - E_T(source caption))",
+            f"{_SCORERS}.clip_directional:build",
+            required=("clip_score_model_path",),
+            model_paths=(("clip_score_model_path", "clip_model"), ("clip_score_processor_path", "clip_processor")),
+            pooled=True,
+            needs=("source",),
+        ),
+        RewardType(
+            "dino_i",
+            "DINO-I: the cosine of DINOv2's CLS tokens of the edited image and its source",
+            f"{_SCORERS}.dino_i:build",
+            required=("dino_model_path",),
+            model_paths=(("dino_model_path", "clip_model"),),
+            pooled=True,
+            needs=("source",),
+        ),
+        RewardType(
+            "vlm_judge_edit",
+            "a VLM judge of an edit (EditReward-style): instruction following and quality, 1-N each, from the source "
+            "and the edited image; their weighted mean on [0, 1]",
+            f"{_SCORERS}.vlm_judge_edit:build",
+            required=("vlm_judge_url",),
+            needs=("source",),
+        ),
+        RewardType(
+            "digit_edit",
+            "the digit edit task: p(metadata.label | edited) x how well it keeps the source digit's place and ink",
+            f"{_SCORERS}.digit_edit:build",
+            needs=("source", "label"),
         ),
         RewardType(
             "remote_rm",

@@ -11,6 +11,9 @@ Who scores what:
     `set_reward_pools`) score on their Ray actors; `remote_rm` through its HTTP client (`service/client.py`);
     the rest in this process, in a worker thread so the event loop keeps running. Each type's scorer is
     built from the reward table's `build` (`miles.rewards.REWARD_TYPES`).
+  * A type that scores an edit against its source (`needs` "source" in the table, `RewardType.sourced`) gets each
+    sample's condition images too, `scorer(images, prompts, metadata, sources=[s.sources, ...])`; a sample without
+    any is a `RewardError` naming it. The other scorers are called exactly as before, without `sources`.
   * A multi-reward job's sample gets `reward = sum_k w_k * score_k` and `reward_components = {k: score_k}`;
     an unknown type is a `ConfigError` naming it and the sample.
 
@@ -45,8 +48,9 @@ if TYPE_CHECKING:
     from miles.core.sample import Sample
 
 Reward = float | dict[str, float]
-# scorer(images, prompts, metadata) -> one float per item
-Scorer = Callable[[Sequence[Any], Sequence[str], Sequence[Mapping[str, Any]]], Sequence[float]]
+# scorer(images, prompts, metadata) -> one float per item; a sourced type's takes `sources=` too (one list of
+# condition images per item)
+Scorer = Callable[..., Sequence[float]]
 
 BUILTIN_RM_TYPES = tuple(name for name, t in REWARD_TYPES.items() if t.build is not None)
 REMOTE_RM = "remote_rm"
@@ -146,17 +150,19 @@ def check_settings(settings: RewardSettings, rm_type: str) -> None:
 
 def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) -> None:
     """What a built-in reward needs of a prompt line, checked without scoring (the preflight reads every line
-    with it): ValueError, as the reward itself would raise it. The digit reward needs `metadata.label`, OCR a
-    quoted target in the prompt; the others need nothing beyond the prompt."""
-    needs = REWARD_TYPES[rm_type].needs if rm_type in REWARD_TYPES else None
-    if needs == "label":
-        from miles.rewards.scorers.digit import digit_label
+    with it): ValueError, as the reward itself would raise it. The digit rewards need `metadata.label`, OCR a
+    quoted target in the prompt. A sourced type's condition images (`source`) are not checked here: the row's media
+    are the data reader's."""
+    needs = REWARD_TYPES[rm_type].needs if rm_type in REWARD_TYPES else ()
+    for need in needs:
+        if need == "label":
+            from miles.rewards.scorers.digit import digit_label
 
-        digit_label(metadata)
-    elif needs == "quoted":
-        from miles.rewards.scorers.ocr import extract_target
+            digit_label(metadata)
+        elif need == "quoted":
+            from miles.rewards.scorers.ocr import extract_target
 
-        extract_target(prompt)
+            extract_target(prompt)
 
 
 def build_scorer(settings: RewardSettings, rm_type: str) -> Scorer:
@@ -188,15 +194,25 @@ def score_items(
     prompts: Sequence[str],
     metadata: Sequence[Mapping[str, Any]],
     names: Sequence[str],
+    sources: Sequence[Sequence[Any]] | None = None,
 ) -> list[float]:
-    """Run `scorer` on a batch; on failure, find the failing item and raise `RewardError` naming it."""
+    """Run `scorer` on a batch; on failure, find the failing item and raise `RewardError` naming it. `sources` (a
+    sourced type's: each item's condition images) is passed as `sources=` when given, else not at all."""
+
+    def call(idx: Sequence[int] | None) -> Any:
+        if idx is None:
+            extra = {} if sources is None else {"sources": sources}
+            return scorer(images, prompts, metadata, **extra)
+        extra = {} if sources is None else {"sources": [sources[i] for i in idx]}
+        return scorer([images[i] for i in idx], [prompts[i] for i in idx], [metadata[i] for i in idx], **extra)
+
     try:
-        values = list(scorer(images, prompts, metadata))
+        values = list(call(None))
     except Exception as exc:
         if len(images) > 1:
             for i in range(len(images)):
                 try:
-                    scorer([images[i]], [prompts[i]], [metadata[i]])
+                    call([i])
                 except Exception as item_exc:
                     raise RewardError(
                         f"reward {rm_type!r} failed on {names[i]}: {type(item_exc).__name__}: {item_exc}"
@@ -313,6 +329,25 @@ def _check_image(sample: Sample, rm_type: str) -> Any:
     return sample.image
 
 
+def check_sources(sample: Sample, rm_type: str) -> list[Any]:
+    """A sourced type's input of one sample: its condition images (RewardError in one line when it has none)."""
+    if not sample.sources:
+        raise RewardError(
+            f"reward {rm_type!r}: {describe_sample(sample.index, sample.prompt)} has no source image; {rm_type} "
+            "scores an edit against its source (give the prompt rows media)"
+        )
+    return list(sample.sources)
+
+
+def sources_of(samples: Sequence[Sample], rm_type: str) -> list[list[Any]] | None:
+    """Each sample's condition images when `rm_type` scores an edit against its source (the reward table's
+    `needs`), else None: the scorer is then called without them."""
+    entry = REWARD_TYPES.get(rm_type)
+    if entry is None or not entry.sourced:
+        return None
+    return [check_sources(s, rm_type) for s in samples]
+
+
 async def _score_type(
     args: Any, rm_type: str, samples: list[Sample], pools: Mapping[str, Any], settings: RewardSettings
 ) -> list[float]:
@@ -320,6 +355,7 @@ async def _score_type(
     if pool is not None:
         return list(await pool.score(samples))
     images = [_check_image(s, rm_type) for s in samples]
+    sources = sources_of(samples, rm_type)
     prompts = [s.prompt for s in samples]
     metadata = [dict(s.metadata or {}) for s in samples]
     names = [describe_sample(s.index, s.prompt) for s in samples]
@@ -338,7 +374,7 @@ async def _score_type(
             raise
         except Exception as exc:
             raise RewardError(f"reward {rm_type!r} could not load: {type(exc).__name__}: {exc}") from exc
-        return score_items(rm_type, scorer, images, prompts, metadata, names)
+        return score_items(rm_type, scorer, images, prompts, metadata, names, sources)
 
     return await asyncio.to_thread(run)
 

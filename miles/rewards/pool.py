@@ -6,7 +6,8 @@
     rewards = await batched_async_rm(args, samples)   # now scores ocr / pickscore on the pools
 
 Only what the reward needs travels to a worker: (image as a float32 numpy array, prompt, metadata)
-per sample, plus a one-line name for error messages, never the trajectory. Chunks: `ocr` (and the
+per sample, plus a one-line name for error messages, never the trajectory; a type that scores an edit against its
+source (`RewardType.sourced`) gets each sample's condition images too, as float32 arrays. Chunks: `ocr` (and the
 other CPU rewards) split a call evenly over the workers; `pickscore` sends `--pickscore-batch-size`
 images per call. Each call takes the next worker in turn.
 
@@ -40,6 +41,7 @@ from miles.rewards.dispatch import (
     get_reward_pools,
     score_items,
     set_reward_pools,
+    sources_of,
 )
 from miles.utils.actors import owned_remote, tag_for
 
@@ -68,9 +70,14 @@ class RewardWorker:
         return actor_placement_info(str(getattr(self.scorer, "device", "cpu")))
 
     def score(
-        self, images: list[Any], prompts: list[str], metadata: list[dict[str, Any]], names: list[str]
+        self,
+        images: list[Any],
+        prompts: list[str],
+        metadata: list[dict[str, Any]],
+        names: list[str],
+        sources: list[list[Any]] | None = None,
     ) -> list[float]:
-        return score_items(self.rm_type, self.scorer, images, prompts, metadata, names)
+        return score_items(self.rm_type, self.scorer, images, prompts, metadata, names, sources)
 
 
 def _default_num_workers(args: Any, rm_type: str) -> int:
@@ -178,13 +185,16 @@ class RewardPool:
             if s.image is None:
                 raise RewardError(f"reward {self.rm_type!r}: {name} has no image")
             items.append((_to_wire(s.image), s.prompt, dict(s.metadata or {}), name))
+        sources = sources_of(samples, self.rm_type)
+        wire_sources = None if sources is None else [[_to_wire(im) for im in per] for per in sources]
         size = self._chunk_size(len(items))
         calls = []
         for start in range(0, len(items), size):
             chunk = items[start : start + size]
             k = next(self._turn) % self.num_workers
             images, prompts, metadata, names = (list(col) for col in zip(*chunk, strict=True))
-            calls.append((k, names, self.workers[k].score.remote(images, prompts, metadata, names)))
+            extra = {} if wire_sources is None else {"sources": wire_sources[start : start + size]}
+            calls.append((k, names, self.workers[k].score.remote(images, prompts, metadata, names, **extra)))
         return calls
 
     def _error(self, exc: BaseException, worker: int, names: list[str]) -> RewardError:

@@ -278,6 +278,11 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--vlm-judge-max-score": (FLOAT, 5.0),
     "--vlm-judge-num-frames": (INT, None),
     "--vlm-judge-max-concurrency": (INT, 8),
+    "--vlm-judge-edit-prompt-template": (STR, None),
+    "--vlm-judge-edit-max-score": (FLOAT, 4.0),
+    "--vlm-judge-edit-quality-weight": (FLOAT, 0.5),
+    "--dino-model-path": (PATH, None),
+    "--source-reward-num-frames": (INT, None),
     "--export-interval": (INT, None),
     "--export-merged": (BOOL, False),
     "--teacher-checkpoint": (PATH, None),
@@ -434,6 +439,11 @@ def test_enum_choices() -> None:
         "hpsv2",
         "image_reward",
         "vlm_judge",
+        "clip_i",
+        "clip_directional",
+        "dino_i",
+        "vlm_judge_edit",
+        "digit_edit",
         "remote_rm",
     }
     assert choices("--rollout-patch-group") == ("sgld", "ltx", "wan")

@@ -101,7 +101,12 @@ FLAGS: list[Flag] = [
         "remote_rm under --use-fault-tolerance: seconds a service that went down is waited for before the job ends.",
         min=0,
     ),
-    _f("clip-score-model-path", PATH, None, "CLIP model folder for --rm-type clip_score (clip-vit-large-patch14)."),
+    _f(
+        "clip-score-model-path",
+        PATH,
+        None,
+        "CLIP model folder for --rm-type clip_score, clip_i and clip_directional (clip-vit-large-patch14).",
+    ),
     _f("clip-score-processor-path", PATH, None, "Its CLIPProcessor folder, when not the model folder."),
     _f(
         "clip-score-scale",
@@ -109,6 +114,14 @@ FLAGS: list[Flag] = [
         100.0 / 30.0,
         "clip_score = scale x max(cos, 0): 100/30 is flow_grpo's, 100 torchmetrics' CLIPScore, 2.5 the paper's.",
         min=0,
+    ),
+    _f("dino-model-path", PATH, None, "DINOv2 folder (model and image processor, dinov2-base) for --rm-type dino_i."),
+    _f(
+        "source-reward-num-frames",
+        INT,
+        None,
+        "clip_i, clip_directional, dino_i: video frames scored against the source per sample; unset: all.",
+        min=1,
     ),
     _f("aesthetic-model-path", PATH, None, "The LAION aesthetic MLP (sac+logos+ava1-l14-linearMSE.pth)."),
     _f("aesthetic-clip-path", PATH, None, "CLIP ViT-L/14 folder (model and processor) the aesthetic MLP reads."),
@@ -128,4 +141,26 @@ FLAGS: list[Flag] = [
     _f("vlm-judge-max-score", FLOAT, 5.0, "The rating scale's top: the reward is the rating / this.", min=0.001),
     _f("vlm-judge-num-frames", INT, None, "Video frames judged per sample (one request each); unset: all.", min=1),
     _f("vlm-judge-max-concurrency", INT, 8, "Requests to the judge in flight at once.", min=1),
+    _f(
+        "vlm-judge-edit-prompt-template",
+        STR,
+        None,
+        "vlm_judge_edit's instruction, with {prompt} and {max_score}; it must ask for 'Instruction following: N' "
+        "and 'Quality: N' (default: EditReward's two 1-to-max rubrics).",
+    ),
+    _f(
+        "vlm-judge-edit-max-score",
+        FLOAT,
+        4.0,
+        "vlm_judge_edit: the top of both rating scales (1 to this); a rating r counts (r - 1) / (max - 1).",
+        min=2,
+    ),
+    _f(
+        "vlm-judge-edit-quality-weight",
+        FLOAT,
+        0.5,
+        "vlm_judge_edit = (1 - w) x following + w x quality, each rating mapped to [0, 1].",
+        min=0,
+        max=1,
+    ),
 ]

@@ -31,7 +31,7 @@ import functools
 import io
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -222,44 +222,57 @@ class VlmJudge:
         reply = await self._request(session, semaphore, "POST", self.endpoint, body)
         return parse_score(answer_text(reply), self.pattern, self.max_score)
 
-    # ---- scoring ----
-    async def ascore(self, images: Sequence[Any], prompts: Sequence[str]) -> list[float]:
+    async def _judge_all(self, judge: Callable[..., Awaitable[float]], jobs: Sequence[tuple[Any, ...]]) -> list[float]:
+        """`judge(session, semaphore, *job)` for every job, concurrently on one HTTP session (at most
+        `max_concurrency` in flight); the first failure cancels the rest and is raised."""
         import aiohttp
 
-        if len(images) != len(prompts):
-            raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
-        frames = [sample_frames(image, self.num_frames) for image in images]
         semaphore = asyncio.Semaphore(self.max_concurrency)
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await self._model_name(session, semaphore)
-            tasks = [
-                asyncio.ensure_future(self._judge(session, semaphore, frame, str(prompt)))
-                for per_sample, prompt in zip(frames, prompts, strict=True)
-                for frame in per_sample
-            ]
+            tasks = [asyncio.ensure_future(judge(session, semaphore, *job)) for job in jobs]
             try:
-                flat = await asyncio.gather(*tasks)
+                return list(await asyncio.gather(*tasks))
             except BaseException:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
-        scores: list[float] = []
-        start = 0
-        for per_sample in frames:
-            scores.append(float(np.mean(flat[start : start + len(per_sample)])))
-            start += len(per_sample)
-        return scores
+
+    # ---- scoring ----
+    async def ascore(self, images: Sequence[Any], prompts: Sequence[str]) -> list[float]:
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
+        frames = [sample_frames(image, self.num_frames) for image in images]
+        jobs = [
+            (frame, str(prompt)) for per_sample, prompt in zip(frames, prompts, strict=True) for frame in per_sample
+        ]
+        return frame_means(await self._judge_all(self._judge, jobs), [len(f) for f in frames])
 
     def score(self, images: Sequence[Any], prompts: Sequence[str]) -> list[float]:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.ascore(images, prompts))
-        # called from inside an event loop (not the reward pool's case): run on a fresh loop in a helper thread
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, self.ascore(images, prompts)).result()
+        return run_coroutine(self.ascore(images, prompts))
+
+
+def frame_means(flat: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """The mean of each sample's consecutive run of `counts[i]` values."""
+    scores: list[float] = []
+    start = 0
+    for count in counts:
+        scores.append(float(np.mean(flat[start : start + count])))
+        start += count
+    return scores
+
+
+def run_coroutine(coro: Coroutine[Any, Any, list[float]]) -> list[float]:
+    """Run `coro` to completion from synchronous code: on a fresh loop, or, when called from inside an event loop
+    (not the reward pool's case), on a fresh loop in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 @functools.lru_cache(maxsize=4)

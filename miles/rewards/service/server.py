@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from miles.core.errors import ConfigError
+from miles.rewards import REWARD_TYPES
 from miles.rewards.dispatch import (
     RewardError,
     RewardSettings,
@@ -93,6 +94,11 @@ def builtin_scorers(settings: RewardSettings, rm_types: Iterable[str]) -> dict[s
     scorers: dict[str, Scorer] = {}
     for rm_type in dict.fromkeys(rm_types):
         check_settings(settings, rm_type)
+        if REWARD_TYPES[rm_type].sourced:
+            raise ConfigError(
+                f"miles reward serve cannot serve {rm_type}: it scores an edit against its source image, and the "
+                "service's protocol carries no source images; score it in the job"
+            )
         scorers[rm_type] = LazyScorer(settings, rm_type)
     return scorers
 

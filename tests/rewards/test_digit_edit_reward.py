@@ -1,0 +1,124 @@
+"""The digit edit reward (`digit_edit`: "change the digit a into b, keeping its place and style") on real digits of
+the embedded data set (the test split), each drawn 32 px wide on a 64-px canvas, scored with the classifier stored
+with tiny-sd3: `p_b(crop(y)) * place * ink`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from miles.config.resolution import schema_args
+from miles.core.sample import Sample
+from miles.data.digits import upsample_digits
+from miles.rewards.dispatch import batched_async_rm
+from miles.rewards.errors import RewardError
+from miles.rewards.scorers.digit_edit import PLACE_SIGMA, crop_digit, edit_terms, gray, ink_centre
+
+PLACE = (16, 20)  # the source digit's top-left corner on the canvas
+
+
+def canvas(x8: np.ndarray, top: int, left: int, size: int = 64) -> torch.Tensor:
+    """One 8x8 digit drawn 32 px wide at (top, left) on a black canvas: [3, size, size] in [0, 1]."""
+    image = np.zeros((size, size), dtype=np.float32)
+    image[top : top + 32, left : left + 32] = upsample_digits(np.asarray(x8)[None], 32)[0]
+    return torch.from_numpy(image)[None].expand(3, -1, -1).clone()
+
+
+@pytest.fixture(scope="module")
+def digit_of(digits_split):
+    """digit -> the first 8x8 example of it in the test split."""
+    x8, y = digits_split.test_x, digits_split.test_y
+    return {d: x8[int(np.nonzero(y == d)[0][0])] for d in range(10)}
+
+
+def test_the_four_edits_of_a_three_into_a_five(digit_of, digit_classifier) -> None:
+    """(a) the source itself: kept perfectly, but the classifier reads a 3: low; (b) a 5 drawn in its place: high;
+    (c) the same 5 moved to a corner: still a 5, its place lost: low; (d) a wrong digit in the right place: low."""
+    source = canvas(digit_of[3], *PLACE)
+    right = canvas(digit_of[5], *PLACE)
+    edits = {
+        "same": source.clone(),
+        "right": right,
+        "corner": canvas(digit_of[5], 0, 0),
+        "wrong": canvas(digit_of[8], *PLACE),
+    }
+    terms = dict(zip(edits, edit_terms(list(edits.values()), [source] * 4, [5] * 4, digit_classifier), strict=True))
+    same, good, corner, wrong = (terms[k] for k in ("same", "right", "corner", "wrong"))
+
+    assert (same.place, same.ink, same.offset) == (1.0, 1.0, 0.0) and same.reward == same.p_label < 0.05
+    assert good.p_label > 0.9 and good.place > 0.8 and good.ink > 0.7 and good.reward > 0.6
+    assert corner.p_label > 0.9 and corner.place < 0.01 and corner.reward < 0.01
+    assert wrong.p_label < 0.05 and wrong.reward < 0.05
+    for t in terms.values():
+        assert 0.0 <= t.reward <= 1.0 and t.reward == pytest.approx(t.p_label * t.place * t.ink)
+
+
+def test_every_pair_of_digits_ranks_the_right_edit_first(digit_of, digit_classifier) -> None:
+    """Over all 90 ordered pairs (a, b): the right edit beats the source, the moved digit and a wrong digit."""
+    rewards = {"same": [], "right": [], "corner": [], "wrong": []}
+    for a in range(10):
+        for b in range(10):
+            if a == b:
+                continue
+            wrong = next(d for d in ((b + 1) % 10, (b + 2) % 10) if d != a)
+            source = canvas(digit_of[a], *PLACE)
+            edits = [source, canvas(digit_of[b], *PLACE), canvas(digit_of[b], 32, 32), canvas(digit_of[wrong], *PLACE)]
+            for name, t in zip(rewards, edit_terms(edits, [source] * 4, [b] * 4, digit_classifier), strict=True):
+                rewards[name].append(t.reward)
+    right = np.array(rewards["right"])
+    assert np.median(right) > 0.75 and right.min() > 0.5
+    for other, ceiling in (("same", 0.05), ("corner", 0.1), ("wrong", 0.05)):  # corner: moved 16 px diagonally
+        assert (right > np.array(rewards[other])).all(), other
+        assert max(rewards[other]) < ceiling, other
+
+
+def test_the_terms_read_place_size_and_resolution(digit_of) -> None:
+    g = gray(canvas(digit_of[0], *PLACE))
+    row, col = ink_centre(g)
+    assert abs(row - (PLACE[0] + 15.5)) < 3 and abs(col - (PLACE[1] + 15.5)) < 3
+    assert crop_digit(g).shape == (8, 8)
+    assert np.allclose(ink_centre(np.zeros((64, 64), np.float32)), (31.5, 31.5))  # blank: the frame's centre
+    assert PLACE_SIGMA == 1 / 8
+    # the same edit at twice the resolution keeps its place and ink (fractions of the frame, mean ink)
+    source = canvas(digit_of[3], *PLACE)
+    big = torch.nn.functional.interpolate(canvas(digit_of[5], *PLACE)[None], scale_factor=2, mode="nearest")[0]
+    small_t, big_t = edit_terms([canvas(digit_of[5], *PLACE), big], [source, source], [5, 5])
+    assert big_t.place == pytest.approx(small_t.place, abs=0.02) and big_t.ink == pytest.approx(small_t.ink, rel=1e-5)
+    # a digit twice as thick (dilated) loses ink
+    thick = canvas(digit_of[3], *PLACE)
+    thick = torch.maximum(thick, torch.roll(thick, 2, dims=-1))
+    (t,) = edit_terms([thick], [source], [3])
+    assert t.ink < 0.9
+
+
+def test_digit_edit_through_the_dispatch(tiny_sd3_dir, digit_of, digit_classifier) -> None:
+    """`--rm-type digit_edit`: the classifier of --hf-checkpoint, metadata.label the target, the sample's first
+    condition image the source (a second one is not read); a video sample is refused in one line."""
+    args = schema_args(rm_type=["digit_edit"], hf_checkpoint=str(tiny_sd3_dir))
+    source = canvas(digit_of[3], *PLACE)
+    edited = [canvas(digit_of[5], *PLACE), canvas(digit_of[5], 0, 0)]
+    samples = [
+        Sample(
+            index=i,
+            group_index=0,
+            prompt="change the 3 into a 5",
+            metadata={"label": 5, "source_label": 3},
+            image=im,
+            sources=[source, torch.zeros(3, 64, 64)],
+        )
+        for i, im in enumerate(edited)
+    ]
+    got = asyncio.run(batched_async_rm(args, samples))
+    expected = [t.reward for t in edit_terms(edited, [source] * 2, [5, 5], digit_classifier)]
+    assert got == pytest.approx(expected, abs=1e-12) and got[0] > 0.6 > got[1]
+
+    video = torch.stack([edited[0]] * 3, dim=1)  # [3, F, H, W]
+    samples[0].image = video
+    with pytest.raises(RewardError, match=r"digit_edit scores an image edit, got a video of 3 frames"):
+        asyncio.run(batched_async_rm(args, samples[:1]))
+    samples[1].metadata = {"source_label": 3}
+    with pytest.raises(RewardError, match=r"sample 1 .*metadata\.label"):
+        asyncio.run(batched_async_rm(args, samples[1:]))
