@@ -58,8 +58,8 @@ def case(request: pytest.FixtureRequest, tiny_flux_dir: Path) -> tuple[str, Diff
         cli = {
             "hf_checkpoint": str(tiny_flux_dir),
             "diffusion_model_family": "flux_kontext",
-            "prompt_data": "digits:train",
-            "rm_type": "digit",
+            "prompt_data": "digits-edit:train",
+            "rm_type": "digit_edit",
             "rollout_batch_size": 2,
             "n_samples_per_prompt": 4,
             "diffusion_num_sde_steps": 3,
