@@ -486,6 +486,26 @@ class TrainPipelineConfig(SglangAdapter):
                 "guidance) and qwen_image"
             )
         self._check_video_and_experts(res)
+        if self.condition_images != (0, 0):
+            self._check_conditioned_job(res, job)
+
+    def _check_conditioned_job(self, res: Any, job: Any) -> None:
+        """What an edit / image-to-video family does not run yet: DMD2 (its few-step student samples from text
+        alone) and offline DPO on preference rows (their sources are not encoded into the pairs' conditions)."""
+        from miles.methods import METHODS
+
+        if job.distills:
+            res.fail(
+                f"`miles {job.command}`: model family {self.name!r} takes condition images, and miles' DMD2 samples "
+                "its student from text alone; distil a text-to-image family, or train this one with `train rl` / "
+                "`train sft`"
+            )
+        known = METHODS.get(res["loss_type"])
+        if job.trains_on_dataset and known is not None and known.sft_rows == "preference":
+            res.fail(
+                f"{res.show('loss_type')}: offline DPO on preference rows does not encode their condition images "
+                f"yet, which model family {self.name!r} needs; use online DPO (`train rl --loss-type dpo`)"
+            )
 
     def _check_video_and_experts(self, res: Any) -> None:
         """Frames, fps and frame stride only for a video family; a second guidance scale only with experts;

@@ -173,9 +173,8 @@ def caption_conditions(args: Any, encoder: Encoder, captions: list[str]) -> dict
     return cache
 
 
-def with_media_conditions(encoder: Encoder, cond: Conditions, media: tuple[Any, ...]) -> Conditions:
-    """A row's caption conditions with its condition images' inputs (`encode_media`, as the engine encodes a
-    prompt row's) added to the positive and the negative."""
+def media_conditions(encoder: Encoder, media: tuple[Any, ...]) -> dict[str, torch.Tensor]:
+    """The condition inputs of a row's condition images (`encode_media`, as the engine encodes a prompt row's)."""
     from PIL import Image
 
     images = []
@@ -183,7 +182,11 @@ def with_media_conditions(encoder: Encoder, cond: Conditions, media: tuple[Any, 
         with Image.open(ref.path) as image:
             images.append(image.convert("RGB"))
     height, width = encoder.size
-    extra = {k: v[0].float() for k, v in encoder.family.encode_media(encoder.pipe, images, height, width).items()}
+    return {k: v[0].float() for k, v in encoder.family.encode_media(encoder.pipe, images, height, width).items()}
+
+
+def with_media_conditions(cond: Conditions, extra: dict[str, torch.Tensor]) -> Conditions:
+    """A row's caption conditions with its condition images' inputs added to the positive and the negative."""
     negative = None if cond.negative is None else {**cond.negative, **extra}
     return Conditions({**cond.positive, **extra}, negative, cond.guidance_scale)
 
@@ -212,8 +215,13 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     cache = caption_conditions(args, encoder, captions)
     conditions = [cache[c] for c in captions]
     if encoder.family.condition_images != (0, 0):  # each row's source in both branches (the dropout keeps it)
+        encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}  # rows that share their sources share them
+        for _, media in with_media:
+            key = tuple(str(m.path) for m in media)
+            if key not in encoded:
+                encoded[key] = media_conditions(encoder, media)
         pairs = zip(conditions, with_media, strict=True)
-        conditions = [with_media_conditions(encoder, cond, media) for cond, (_, media) in pairs]
+        conditions = [with_media_conditions(c, encoded[tuple(str(m.path) for m in media)]) for c, (_, media) in pairs]
     return SFTDataset(
         latents=torch.cat(latents).float(),
         conditions=conditions,

@@ -21,6 +21,9 @@ __all__ = ["TINY_FLUX_KONTEXT_NAME", "BuildReport", "build_tiny_flux_kontext"]
 TINY_FLUX_KONTEXT_NAME = "tiny-flux-kontext"
 SGLANG_MODEL_ID = "FLUX.1-Kontext-dev"
 PASTE_SEED = 4321  # the offsets of the pasted digits the VAE also fits
+# T5 tokens of an edit instruction: "change the 3 into a 5" is 15 with </s> (the offline tokenizers know the digit
+# prompts' words, and spell "change" and "into"); tiny-flux's 8 would cut both digits off
+MAX_SEQUENCE_LENGTH = 16
 
 
 def pasted_digits_vae_input(x8: Any, seed: int = PASTE_SEED) -> Any:
@@ -48,6 +51,9 @@ class TinyFluxKontextBuild(TinyFluxBuild):
 
         super().data()
         self.train = torch.cat([self.train, pasted_digits_vae_input(self.split.train_x)])
+
+    def metadata(self, report: BuildReport) -> dict[str, Any]:
+        return {**super().metadata(report), "max_sequence_length": MAX_SEQUENCE_LENGTH}
 
     def pipeline(self) -> Any:
         from diffusers import FluxKontextPipeline
