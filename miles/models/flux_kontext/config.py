@@ -38,6 +38,10 @@ class FluxKontextTrainPipelineConfig(FluxTrainPipelineConfig):
     condition_inputs = ("encoder_hidden_states", "pooled_projections", "guidance", "ref_tokens", "ref_grid")
     condition_images = (1, 1)
     sglang_model_id = "FLUX.1-Kontext-dev"
+    sglang_unserved = (
+        "miles does not send condition images to sglang-diffusion yet (whether its server returns Kontext "
+        "trajectories is unverified); the in-process engine serves it"
+    )
 
     def encode_media(self, pipe: Any, images: list[Any], height: int, width: int) -> dict[str, Any]:
         """The source at its own size (sides rounded down to a multiple of 2x the VAE factor), preprocessed as the
@@ -91,6 +95,3 @@ class FluxKontextTrainPipelineConfig(FluxTrainPipelineConfig):
         of an edit at the output's resolution."""
         c, h, w = latent_shape[-3:]
         return {"ref_tokens": (((h // 2) * (w // 2), 4 * c), None), "ref_grid": ((2,), "float32")}
-
-    def sglang_blocker(self, guidance_scale: float, true_cfg_scale: float | None, max_sequence_length: int) -> str:
-        return "miles does not send condition images to sglang-diffusion yet (use --rollout-backend diffusers)"
