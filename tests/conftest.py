@@ -86,6 +86,19 @@ def tiny_flux_dir(miles_session_home: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_kontext_dir(miles_session_home: Path) -> Path:
+    """tiny-flux-kontext with a short VAE fit (40 steps): the edit jobs' tests need its layout (a
+    FluxKontextPipeline with 16 text tokens), not its reconstructions; the full build is the recipes'."""
+    from miles.builtin.tiny.flux_kontext import build_tiny_flux_kontext
+    from miles.models.tiny.metadata import current_design
+
+    path = miles_session_home / "test-builds" / f"tiny-flux-kontext-design{current_design('tiny-flux-kontext')}-vae40"
+    if not (path / "model_index.json").is_file():
+        build_tiny_flux_kontext(path, progress=False, vae_steps=40)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_image_dir(miles_session_home: Path) -> Path:
     from miles.builtin.checkpoints import ensure_checkpoint
 

@@ -21,6 +21,7 @@ TINY_SD3_NAME = "tiny-sd3"
 TINY_BUILDERS: dict[str, str] = {
     TINY_SD3_NAME: "miles.builtin.tiny.sd3:build_tiny_sd3",
     "tiny-flux": "miles.builtin.tiny.flux:build_tiny_flux",
+    "tiny-flux-kontext": "miles.builtin.tiny.flux_kontext:build_tiny_flux_kontext",
     "tiny-qwen-image": "miles.builtin.tiny.qwen_image:build_tiny_qwen_image",
     "tiny-wan2_2": "miles.builtin.tiny.wan2_2:build_tiny_wan2_2",
     "tiny-ltx2": "miles.builtin.tiny.ltx:build_tiny_ltx2",
@@ -35,6 +36,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-wan2_2-digits-sft-short": 100,  # eval reward 0.32 (accuracy 0.34; 0.73 at 200, 0.93 at 300)
     "tiny-cosmos3-digits-sft-short": 50,  # eval reward 0.59 on the ten prompts (0.10 at 25 steps)
     "tiny-ltx2-digits-sft-short": 1000,  # video stream only (the ltx patch group)
+    "tiny-flux-kontext-edit-sft-short": 300,  # the digits edit task (digits-edit:sft)
 }
 BUILTIN_MODELS = (*TINY_BUILDERS, *SFT_TEACHERS)
 
@@ -50,12 +52,16 @@ BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {
     "digits": tuple(DATASET_FILES),
     "digits-video": tuple(DATASET_FILES),
     "digits-preference": ("train", "test"),  # preference rows (offline DPO), which are prompt lines too
+    "digits-edit": ("train", "test", "sft", "sft-test"),  # the edit task: rows with a source image (media)
 }
+# the sets whose rows carry condition images (media), and how many per row; the others carry none
+DATASET_CONDITION_IMAGES: dict[str, int] = {"digits-edit": 1}
 # name -> (module, writer): the module has FORMAT_VERSION and MANIFEST; writer(out_dir) writes the whole set
 DATASET_WRITERS: dict[str, tuple[str, str]] = {
     "digits": ("miles.data.digits", "write_digits_data"),
     "digits-video": ("miles.data.digits_video", "write_digits_video_data"),
     "digits-preference": ("miles.data.digit_preferences", "write_digit_preference_data"),
+    "digits-edit": ("miles.data.digits_edit", "write_digits_edit_data"),
 }
 
 

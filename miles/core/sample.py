@@ -94,8 +94,10 @@ class Sample:
     trajectory: Trajectory | None = None
     conditions: Conditions | None = None
     image: torch.Tensor | None = None
-    # the prompt row's condition images, decoded, each [3, H, W] in [0, 1] (None: a text-only prompt); plain tensors,
-    # so a rollout file carries them; a file written before they existed loads with None
+    # the prompt row's condition images (editing, image-to-video): their files (absolute paths, the row's order),
+    # and as the engine decoded them, each [3, H, W] in [0, 1] (None: a text-only prompt, or not generated yet);
+    # plain tensors and strings, so a rollout file carries them; a file written before they existed loads without
+    media: tuple[str, ...] = ()
     sources: list[torch.Tensor] | None = None
     reward: float | dict[str, float] | None = None
     # a multi-reward job's raw score of each reward type (`--rm-type a,b`, `--reward-weights`); `reward` is then

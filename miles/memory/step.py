@@ -78,6 +78,7 @@ def _shapes(family: Any, configs: Mapping[str, Any], args: Any, checkpoint: Any)
             int(args.diffusion_output_num_frames or 1),
         )
     )
+    conds = {**conds, **family.example_media_conditions(latent)}
     conditions = tuple((n, None if s is None else tuple(int(x) for x in s), d) for n, (s, d) in sorted(conds.items()))
     return latent, conditions
 

@@ -35,6 +35,7 @@ _REGISTRY: dict[str, type[TrainPipelineConfig]] = {}
 _BUILTIN_MODULES = (
     "miles.models.sd3.config",
     "miles.models.flux.config",
+    "miles.models.flux_kontext.config",
     "miles.models.qwen_image.config",
     "miles.models.wan2_2.config",
     "miles.models.ltx.config",

@@ -93,6 +93,9 @@ class TrainPipelineConfig(SglangAdapter):
     # the denoiser's components, trained and synced by `--update-weight-target-module` (experts: more than one)
     experts: ClassVar[tuple[str, ...]] = ()
     makes_video: ClassVar[bool] = False  # `--diffusion-output-num-frames` > 1 is this family's to honour
+    # condition media (image editing, image-to-video): the number of condition images a prompt row must carry
+    # (min, max); (0, 0): a text-to-image/video family, which refuses rows with media
+    condition_images: ClassVar[tuple[int, int]] = (0, 0)
     # `--rollout-patch-group` values this family honours on the in-process engine (group -> what it changes in
     # the engine's and the trainer's forward alike); any other group is refused (miles.config.rules.engines)
     patch_groups: ClassVar[Mapping[str, str]] = MappingProxyType({})
@@ -425,6 +428,18 @@ class TrainPipelineConfig(SglangAdapter):
         no activation estimate."""
         raise NotImplementedError(f"model family {self.name!r} does not describe its conditions (example_conditions)")
 
+    def example_media_conditions(self, latent_shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """The condition inputs `encode_media` adds, as `example_conditions` describes its own, for a sample of
+        `latent_shape` (one sample, no batch dimension): the memory plan's case. Default: none."""
+        return {}
+
+    def encode_media(self, pipe: Any, images: list[Any], height: int, width: int) -> dict[str, Any]:
+        """The condition inputs one prompt's condition images give (PIL images in the row's order, for an output of
+        `height` x `width`): tensors with a leading batch dimension of 1, added to both branches' cond dicts and
+        recorded with the sample, so the trainer's forward sees exactly the engine's. Families with
+        `condition_images` (0, 0) are never called."""
+        raise NotImplementedError(f"model family {self.name!r} takes no condition images")
+
     def encode_images(self, pipe: Any, pixels: Any) -> Any:
         """Images [B, 3, H, W] in [-1, 1] -> normalised latents [B, C, h, w] (the posterior mean)."""
         vae = pipe.vae
@@ -471,6 +486,26 @@ class TrainPipelineConfig(SglangAdapter):
                 "guidance) and qwen_image"
             )
         self._check_video_and_experts(res)
+        if self.condition_images != (0, 0):
+            self._check_conditioned_job(res, job)
+
+    def _check_conditioned_job(self, res: Any, job: Any) -> None:
+        """What an edit / image-to-video family does not run yet: DMD2 (its few-step student samples from text
+        alone) and offline DPO on preference rows (their sources are not encoded into the pairs' conditions)."""
+        from miles.methods import METHODS
+
+        if job.distills:
+            res.fail(
+                f"`miles {job.command}`: model family {self.name!r} takes condition images, and miles' DMD2 samples "
+                "its student from text alone; distil a text-to-image family, or train this one with `train rl` / "
+                "`train sft`"
+            )
+        known = METHODS.get(res["loss_type"])
+        if job.trains_on_dataset and known is not None and known.sft_rows == "preference":
+            res.fail(
+                f"{res.show('loss_type')}: offline DPO on preference rows does not encode their condition images "
+                f"yet, which model family {self.name!r} needs; use online DPO (`train rl --loss-type dpo`)"
+            )
 
     def _check_video_and_experts(self, res: Any) -> None:
         """Frames, fps and frame stride only for a video family; a second guidance scale only with experts;

@@ -87,14 +87,52 @@ class DataCount:
         self.with_media += bool(media)
 
 
-def scan_prompt_file(path: Path, keys: PromptKeys, checks: list[LineCheck]) -> DataCount:
-    """Read every row of the prompt data (any format) and check its media files; ConfigError at the first bad row
-    (or when there is none)."""
+def condition_images(args: Any) -> tuple[str, tuple[int, int]] | None:
+    """(family, the number of condition images its rows must carry) of the job's model; None where the family
+    does not resolve (the config's rules say why)."""
+    from miles.models.families import resolve_family
+
+    try:
+        family = resolve_family(args.hf_checkpoint, args.diffusion_model_family, args.train_pipeline_config_path)
+    except (ConfigError, ValueError, LookupError):
+        return None
+    return family.name, tuple(family.condition_images)
+
+
+def media_count_problem(media: tuple[MediaRef, ...], wanted: tuple[str, tuple[int, int]] | None, key: str) -> str:
+    """Why a row's condition media do not suit the model ('' when they do)."""
+    if wanted is None:
+        return ""
+    family, (low, high) = wanted
+    count = sum(m.role == "condition" for m in media)
+    if high == 0 and count:
+        return (
+            f"the row carries {count} condition image(s) at {key!r} but model family {family!r} generates from text "
+            "alone; use a family that takes them (flux_kontext, ...) or rows without media"
+        )
+    if not low <= count <= high:
+        span = str(low) if low == high else f"{low} to {high}"
+        return (
+            f"model family {family!r} edits {span} condition image(s) per row and the row carries {count} at "
+            f"{key!r}: give each row its source as {{{key!r}: [{{'role': 'condition', 'image': 'src.png'}}]}}"
+        )
+    return ""
+
+
+def scan_prompt_file(
+    path: Path, keys: PromptKeys, checks: list[LineCheck], wanted: tuple[str, tuple[int, int]] | None = None
+) -> DataCount:
+    """Read every row of the prompt data (any format) and check its media files, and that their number suits the
+    model (`wanted`: its family and the condition images it takes); ConfigError at the first bad row (or when
+    there is none)."""
     count = DataCount()
     for where, row, record in iter_prompt_rows(path, keys):
         for check in checks:
             check(where, row, record.prompt, record.metadata)
         check_media(where, keys.media, record.media)
+        problem = media_count_problem(record.media, wanted, keys.media)
+        if problem:
+            raise ConfigError(f"{where}: {problem}")
         count.add(record.media)
     return count
 
@@ -114,9 +152,9 @@ def _first_row_has_image(args: Any) -> LineCheck:
     return check
 
 
-def scan_sft_file(path: Path, keys: PromptKeys) -> DataCount:
+def scan_sft_file(path: Path, keys: PromptKeys, wanted: tuple[str, tuple[int, int]] | None = None) -> DataCount:
     """Every SFT row names its caption and an image (or video) file that exists (relative to the JSONL file), and
-    every medium it carries exists and decodes."""
+    every medium it carries exists, decodes and suits the model (`wanted`, as for prompt rows)."""
     count = DataCount()
     root = path.parent
     for where, _, row in iter_jsonl_objects(path, "SFT data"):
@@ -131,6 +169,9 @@ def scan_sft_file(path: Path, keys: PromptKeys) -> DataCount:
         if key == "image":
             check_image(where, file, "SFT image")
         check_media(where, keys.media, media)
+        problem = media_count_problem(media, wanted, keys.media)
+        if problem:
+            raise ConfigError(f"{where}: {problem}")
         count.add(media)
     if not count.rows:
         raise ConfigError(f"{path}: no SFT rows")
@@ -186,7 +227,7 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
             scan_preference_file(path, args)
             return []
         if job.trains_on_dataset:
-            scan_sft_file(path, PromptKeys.of(args))
+            scan_sft_file(path, PromptKeys.of(args), condition_images(args))
             return []
         if args.disable_rollout_global_dataset or args.data_source_path:
             return []  # your data source reads the data its own way
@@ -196,7 +237,7 @@ def check_prompt_data(resolved: ResolvedJob) -> list[str]:
             checks.append(reward)
         if job.distills and float(args.dmd2_gan_loss_weight) > 0:
             checks.append(_first_row_has_image(args))
-        scan_prompt_file(path, PromptKeys.of(args), checks)
+        scan_prompt_file(path, PromptKeys.of(args), checks, condition_images(args))
     except ConfigError as exc:
         return [f"--prompt-data {exc}{_hint(str(exc), path)}"]
     return []
@@ -252,7 +293,8 @@ def check_eval_data(resolved: ResolvedJob) -> list[str]:
             continue
         path = Path(spec).expanduser()
         try:
-            scan_prompt_file(path, PromptKeys.of(args, evaluation=True), [reward] if reward else [])
+            keys = PromptKeys.of(args, evaluation=True)
+            scan_prompt_file(path, keys, [reward] if reward else [], condition_images(args))
         except ConfigError as exc:
             problems.append(f"{label} {exc}{_hint(str(exc), path)}")
     return problems

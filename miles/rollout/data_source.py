@@ -142,6 +142,7 @@ class RolloutDataSource:
                 prompt=record.prompt,
                 metadata=copy.deepcopy(record.metadata),
                 seed=seed,
+                media=tuple(str(m.path) for m in record.media),
             )
             for seed in seeds
         ]

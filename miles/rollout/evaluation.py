@@ -158,8 +158,16 @@ def eval_groups(args: Any, dataset: EvalDataset) -> list[list[Sample]]:
         seeds = group_sample_seeds(args.rollout_seed + EVAL_SEED_OFFSET, g, n)
         group = []
         for seed in seeds:
+            media = tuple(str(m.path) for m in record.media)
             group.append(
-                Sample(index=index, group_index=g, prompt=record.prompt, metadata=dict(record.metadata), seed=seed)
+                Sample(
+                    index=index,
+                    group_index=g,
+                    prompt=record.prompt,
+                    metadata=dict(record.metadata),
+                    seed=seed,
+                    media=media,
+                )
             )
             index += 1
         groups.append(group)

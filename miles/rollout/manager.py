@@ -111,6 +111,7 @@ def build_requests(
                     shared_prefix=bool(args.diffusion_shared_prefix) and not evaluation,
                     ode_solver="euler" if evaluation else args.diffusion_ode_solver,
                     post_sde_steps_ratio=None if evaluation else args.diffusion_post_sde_steps_ratio,
+                    media=tuple(micro[0].media),
                 )
             )
     return requests

@@ -60,11 +60,17 @@ class SFTDataset:
 
 def read_rows(path: Path, input_key: str, media_key: str | None = "media") -> list[dict[str, Any]]:
     """The SFT rows of `path`, each checked (its caption, its file keys, its media list: `check_sft_row`)."""
+    return [row for row, _ in read_rows_with_media(path, input_key, media_key)]
+
+
+def read_rows_with_media(
+    path: Path, input_key: str, media_key: str | None = "media"
+) -> list[tuple[dict[str, Any], tuple[Any, ...]]]:
+    """The SFT rows of `path` and each one's media (`MediaRef`s, in the row's order)."""
     keys = PromptKeys(input=input_key, media=media_key)
     rows = []
     for where, _, row in iter_jsonl_objects(path, "SFT data"):
-        check_sft_row(where, row, keys, path.parent)
-        rows.append(row)
+        rows.append((row, check_sft_row(where, row, keys, path.parent)))
     if not rows:
         raise ConfigError(f"{path}: no SFT rows")
     return rows
@@ -167,10 +173,29 @@ def caption_conditions(args: Any, encoder: Encoder, captions: list[str]) -> dict
     return cache
 
 
+def media_conditions(encoder: Encoder, media: tuple[Any, ...]) -> dict[str, torch.Tensor]:
+    """The condition inputs of a row's condition images (`encode_media`, as the engine encodes a prompt row's)."""
+    from PIL import Image
+
+    images = []
+    for ref in media:
+        with Image.open(ref.path) as image:
+            images.append(image.convert("RGB"))
+    height, width = encoder.size
+    return {k: v[0].float() for k, v in encoder.family.encode_media(encoder.pipe, images, height, width).items()}
+
+
+def with_media_conditions(cond: Conditions, extra: dict[str, torch.Tensor]) -> Conditions:
+    """A row's caption conditions with its condition images' inputs added to the positive and the negative."""
+    negative = None if cond.negative is None else {**cond.negative, **extra}
+    return Conditions({**cond.positive, **extra}, negative, cond.guidance_scale)
+
+
 @torch.no_grad()
 def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     path = data_path(args)
-    rows = read_rows(path, args.input_key, args.media_key)
+    with_media = read_rows_with_media(path, args.input_key, args.media_key)
+    rows = [row for row, _ in with_media]
     encoder = open_encoder(args)
     size = encoder.size
     frames = int(args.diffusion_output_num_frames)
@@ -188,9 +213,18 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
         latents.append(encode_pixels(encoder, torch.stack(batch)))
     captions = [str(r[args.input_key]) for r in rows]
     cache = caption_conditions(args, encoder, captions)
+    conditions = [cache[c] for c in captions]
+    if encoder.family.condition_images != (0, 0):  # each row's source in both branches (the dropout keeps it)
+        encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}  # rows that share their sources share them
+        for _, media in with_media:
+            key = tuple(str(m.path) for m in media)
+            if key not in encoded:
+                encoded[key] = media_conditions(encoder, media)
+        pairs = zip(conditions, with_media, strict=True)
+        conditions = [with_media_conditions(c, encoded[tuple(str(m.path) for m in media)]) for c, (_, media) in pairs]
     return SFTDataset(
         latents=torch.cat(latents).float(),
-        conditions=[cache[c] for c in captions],
+        conditions=conditions,
         prompts=captions,
         metadata=[dict(r.get(args.metadata_key) or {}) for r in rows],
     )

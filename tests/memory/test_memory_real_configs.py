@@ -39,6 +39,12 @@ PUBLISHED = {
         "text_encoder_2": 4_762_310_656,
         "vae": 83_819_683,
     },
+    "FLUX.1-Kontext-dev": {  # FLUX.1-dev's architecture (its SOURCES.md): BFL's "12 billion parameter"
+        "transformer": 11_901_408_320,
+        "text_encoder": 123_060_480,
+        "text_encoder_2": 4_762_310_656,
+        "vae": 83_819_683,
+    },
     "Qwen-Image": {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531},
     "Wan2.2-T2V-A14B-Diffusers": {
         "transformer": 14_288_491_584,

@@ -22,8 +22,8 @@ from miles.models.sd3.config import SD3_LORA_TARGET_MODULES, SD3TrainPipelineCon
 
 
 def test_registered_keys():
-    assert set(registered_families()) == {"sd3", "flux", "wan2_2", "qwen_image", "ltx", "cosmos3"}
-    assert trainable_families() == ("cosmos3", "flux", "ltx", "qwen_image", "sd3", "wan2_2")
+    assert set(registered_families()) == {"sd3", "flux", "flux_kontext", "wan2_2", "qwen_image", "ltx", "cosmos3"}
+    assert trainable_families() == ("cosmos3", "flux", "flux_kontext", "ltx", "qwen_image", "sd3", "wan2_2")
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,8 @@ def test_registered_keys():
         ("black-forest-labs/FLUX.1-dev", "flux"),
         ("black-forest-labs/FLUX.1-schnell", "flux"),
         ("tiny-flux", "flux"),
+        ("black-forest-labs/FLUX.1-Kontext-dev", "flux_kontext"),
+        ("tiny-flux-kontext", "flux_kontext"),
         ("Lightricks/LTX-2", "ltx"),
         ("nvidia/Cosmos3-Nano", "cosmos3"),
     ],
@@ -173,7 +175,7 @@ def test_unknown_family_suggests():
         resolve_family("tiny-sd3", family="sd35", env={})
     msg = str(info.value)
     assert "--diffusion-model-family" in msg and "did you mean 'sd3'" in msg
-    assert "cosmos3, flux, ltx, qwen_image, sd3, wan2_2" in msg
+    assert "cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2" in msg
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"env MILES_DIFFUSION_MODEL_FAMILY: unknown model family 'sdxl'"):
         resolve_family("tiny-sd3", env={FAMILY_ENV: "sdxl"})
@@ -199,7 +201,7 @@ def test_untrainable_family_is_a_config_error(user_module):
         resolve_family(hf_checkpoint="x/y", config_path=f"{user_module}.Draft", env={})
     msg = str(info.value)
     assert msg.startswith(where) and "its forward is not written yet" in msg and "\n" not in msg
-    assert "trainable families: cosmos3, flux, ltx, qwen_image, sd3, wan2_2" in msg
+    assert "trainable families: cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2" in msg
     assert (
         resolve_family("x/y", config_path=f"{user_module}.Draft", env={}, require_trainable=False).trainable is False
     )

@@ -22,6 +22,7 @@ def check_model(res: Resolution, job: JobSpec) -> None:
     family = _resolve_family(res, job)
     if family is not None:
         family.check_settings(res, job)  # the family's own rules (guidance, experts, ...)
+        _check_builtin_media(res, family)
         if res["diffusion_model_family"] is None:
             # resolved once, here: every later reader (the rules, the engines, the trainers, the memory plan)
             # looks the family up by name instead of matching the checkpoint again
@@ -43,6 +44,32 @@ def _resolve_family(res: Resolution, job: JobSpec):
         require_trainable=job.trains,
     )
     return config
+
+
+def _check_builtin_media(res: Resolution, family) -> None:
+    """A built-in data set's rows carry as many condition images as the model takes (a user's file is checked row
+    by row by the preflight)."""
+    from miles.builtin.names import DATASET_CONDITION_IMAGES, parse_dataset
+
+    low, high = family.condition_images
+    specs = [("prompt_data", res["prompt_data"])] + [
+        ("eval_prompt_data", spec) for spec in (res["eval_prompt_data"] or {}).values()
+    ]
+    for dest, spec in specs:
+        parsed = parse_dataset(spec) if spec is not None else None
+        if parsed is None:
+            continue
+        count = DATASET_CONDITION_IMAGES.get(parsed[0], 0)
+        if high == 0 and count:
+            res.fail(
+                f"{res.show(dest)}: its rows carry {count} condition image(s) (an edit task) and model family "
+                f"{family.name!r} generates from text alone; use a family that edits (flux_kontext, ...)"
+            )
+        if not low <= count <= high:
+            res.fail(
+                f"{res.show(dest)}: its rows carry no condition image and model family {family.name!r} edits one "
+                "per row; use an edit data set (digits-edit:train, ...) or rows with media"
+            )
 
 
 def check_prompt_data(res: Resolution, job: JobSpec) -> None:

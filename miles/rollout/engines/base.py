@@ -42,6 +42,7 @@ class GenerateRequest:
     shared_prefix: bool = False  # --diffusion-shared-prefix: one initial noise, the steps before the SDE window once
     ode_solver: str = "euler"  # --diffusion-ode-solver: the deterministic steps after the SDE window
     post_sde_steps_ratio: float | None = None  # --diffusion-post-sde-steps-ratio: compress the steps after the window
+    media: tuple[str, ...] = ()  # the prompt row's condition images (absolute paths, in the row's order)
 
     def __post_init__(self) -> None:
         m = len(self.seeds)
@@ -61,5 +62,6 @@ class GenerateRequest:
             metadata=copy.deepcopy(self.metadata),
             seed=self.seeds[b],
             status=COMPLETED,
+            media=self.media,
             **fields,
         )

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from miles.core.inputs import input_path
@@ -245,6 +246,11 @@ class DiffusersEngine:
             guidance=family.embedded_guidance(req.guidance_scale),
             geometry={"height": req.height, "width": req.width, "num_frames": req.num_frames, "fps": req.fps},
         )
+        sources: list[list[torch.Tensor]] = [[] for _ in reqs]
+        if family.condition_images != (0, 0):  # each prompt's condition images, in both branches
+            media, sources = self._encode_media(reqs)
+            pos = {**pos, **media}
+            neg = None if neg is None else {**neg, **media}
         if len(reqs) == 1:
             cond_batch = {k: v.expand(m, *v.shape[1:]) for k, v in pos.items()}
             neg_batch = {k: v.expand(m, *v.shape[1:]) for k, v in neg.items()} if neg is not None else None
@@ -253,7 +259,23 @@ class DiffusersEngine:
             cond_batch = {k: v[rows.to(v.device)] for k, v in pos.items()}
             neg_batch = {k: v[rows.to(v.device)] for k, v in neg.items()} if neg is not None else None
         scale_2 = req.guidance_scale_2 if do_cfg else None
-        return _Conditions(pos, neg, cond_batch, neg_batch, cfg_scale, do_cfg, scale_2)
+        return _Conditions(pos, neg, cond_batch, neg_batch, cfg_scale, do_cfg, scale_2, sources)
+
+    def _encode_media(self, reqs: list[GenerateRequest]) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+        """The condition inputs of each request's images (one row per request) and the images as [3, H, W] in
+        [0, 1] (what a reward that compares an edit with its source reads)."""
+        from PIL import Image
+
+        rows: list[dict[str, torch.Tensor]] = []
+        sources: list[list[torch.Tensor]] = []
+        for r in reqs:
+            images = []
+            for path in r.media:
+                with Image.open(path) as image:
+                    images.append(image.convert("RGB"))
+            rows.append(self.family.encode_media(self.pipe, images, r.height, r.width))
+            sources.append([torch.from_numpy(np.asarray(i, dtype=np.float32) / 255).permute(2, 0, 1) for i in images])
+        return {k: torch.cat([row[k] for row in rows]) for k in rows[0]}, sources
 
     def _denoise(self, reqs: list[GenerateRequest], seeds: list[int], conditions: _Conditions) -> _Denoised:
         """The step loop: every row from its seed's initial noise to its last latent, an SDE step (its own noise,
@@ -358,11 +380,11 @@ class DiffusersEngine:
         stored_cfg = conditions.cfg_scale if conditions.do_cfg else 1.0
         # each request's own text conditions (one object its samples share); the negative is one for all
         pos, neg = conditions.pos, conditions.neg
-        neg_rows = {k: v[0].detach().float().cpu() for k, v in neg.items()} if neg is not None else None
-        pos_rows = [
-            {k: v.detach().float().cpu() for k, v in self.family.condition_row(pos, p).items()}
-            for p in range(len(reqs))
-        ]
+        pos_rows = [self._condition_cpu(pos, p) for p in range(len(reqs))]
+        neg_rows: list[dict[str, torch.Tensor] | None] = [None] * len(reqs)
+        if neg is not None:  # one negative for all, unless each prompt's condition images are in it
+            shared = None if any(conditions.sources) else {k: v[0].detach().float().cpu() for k, v in neg.items()}
+            neg_rows = [shared or self._condition_cpu(neg, p) for p in range(len(reqs))]
         log_probs, means = run.log_probs, run.means
         owners = [(p, r, j) for p, r in enumerate(reqs) for j in range(len(r.seeds))]
         for b, (p, owner, j) in enumerate(owners):
@@ -379,18 +401,23 @@ class DiffusersEngine:
                     debug_model_outputs=None if debug_outputs is None else debug_outputs[b].clone(),
                     sde_means=torch.stack(means[b]) if means[b] else None,
                 )
-            conditions_row = Conditions(pos_rows[p], neg_rows, stored_cfg, conditions.scale_2)
+            conditions_row = Conditions(pos_rows[p], neg_rows[p], stored_cfg, conditions.scale_2)
             samples.append(
                 owner.sample(
                     j,
                     trajectory=trajectory,
                     conditions=None if req.evaluation else conditions_row,
                     image=images[b].clone(),
+                    sources=conditions.sources[p] or None,
                     inference_time_s=elapsed / m,
                     denoiser_calls=run.calls / m,
                 )
             )
         return samples
+
+    def _condition_cpu(self, batch: dict[str, torch.Tensor], row: int) -> dict[str, torch.Tensor]:
+        """Row `row` of a condition batch, on the CPU in fp32 (as samples record their conditions)."""
+        return {k: v.detach().float().cpu() for k, v in self.family.condition_row(batch, row).items()}
 
 
 @dataclass
@@ -405,6 +432,7 @@ class _Conditions:
     cfg_scale: float
     do_cfg: bool
     scale_2: float | None
+    sources: list[list[torch.Tensor]]  # each request's condition images, [3, H, W] in [0, 1] (empty: none)
 
 
 @dataclass
