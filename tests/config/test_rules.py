@@ -36,6 +36,22 @@ def test_true_cfg_scale_is_refused_for_a_plain_cfg_family() -> None:
         assert run(hf_checkpoint=checkpoint, diffusion_true_cfg_scale=4.0).args.diffusion_true_cfg_scale == 4.0
 
 
+def test_a_reward_that_reads_the_source_needs_a_family_that_edits() -> None:
+    """clip_i scores an edit against its source: on a text-to-image family no sample has one (refused before Ray);
+    on the edit family it resolves."""
+    message = rejected(rm_type="clip_i", clip_score_model_path="/m", clip_score_processor_path="/p")
+    assert_names(message, "--rm-type clip_i", "scores an edit against its source image", "'sd3' takes none")
+    message = rejected(reward_weights={"digit": 1.0, "digit_edit": 0.5})
+    assert_names(message, "--reward-weights", "digit_edit scores an edit", "'sd3'")
+    edit = run(
+        hf_checkpoint="tiny-flux-kontext",
+        prompt_data="digits-edit:train",
+        eval_prompt_data=None,
+        rm_type="digit_edit",
+    )
+    assert edit.args.diffusion_model_family == "flux_kontext"
+
+
 def test_flux_true_cfg_on_sglang_is_refused_when_the_text_length_is_not_sglangs(tmp_path) -> None:
     """sglang encodes FLUX's negative prompt at 512 T5 tokens whatever the request says: with a negative branch and
     a checkpoint of another text length (every tiny build), its guided velocity is not FluxPipeline's."""

@@ -23,6 +23,7 @@ def check_model(res: Resolution, job: JobSpec) -> None:
     if family is not None:
         family.check_settings(res, job)  # the family's own rules (guidance, experts, ...)
         _check_builtin_media(res, family)
+        _check_sourced_rewards(res, family)
         if res["diffusion_model_family"] is None:
             # resolved once, here: every later reader (the rules, the engines, the trainers, the memory plan)
             # looks the family up by name instead of matching the checkpoint again
@@ -69,6 +70,24 @@ def _check_builtin_media(res: Resolution, family) -> None:
             res.fail(
                 f"{res.show(dest)}: its rows carry no condition image and model family {family.name!r} edits one "
                 "per row; use an edit data set (digits-edit:train, ...) or rows with media"
+            )
+
+
+def _check_sourced_rewards(res: Resolution, family) -> None:
+    """A reward that scores an edit against its source (`RewardType.sourced`) needs a model that takes one: with a
+    text-to-image family no sample would carry a source, and the first scoring would fail mid-run."""
+    from miles.rewards import REWARD_TYPES
+
+    if family.condition_images != (0, 0):
+        return
+    weights = res["reward_weights"]
+    names = list(weights) if weights is not None else list(res["rm_type"] or [])
+    shown = res.show("reward_weights") if weights is not None else res.show("rm_type")
+    for name in names:
+        if name in REWARD_TYPES and REWARD_TYPES[name].sourced:
+            res.fail(
+                f"{shown}: {name} scores an edit against its source image, and model family {family.name!r} takes "
+                "none; use it with a family that edits (flux_kontext, ...)"
             )
 
 
