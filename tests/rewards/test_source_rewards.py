@@ -27,8 +27,8 @@ from miles.rewards.errors import RewardError
 
 SOURCED = ("clip_i", "clip_directional", "dino_i", "vlm_judge_edit", "digit_edit")
 JOB = {
-    "hf_checkpoint": "tiny-sd3",
-    "prompt_data": "digits:labels",
+    "hf_checkpoint": "tiny-flux-kontext",  # a family that edits: the sourced rewards need one
+    "prompt_data": "digits-edit:train",
     "rollout_batch_size": 2,
     "n_samples_per_prompt": 2,
     "diffusion_num_sde_steps": 2,
