@@ -187,3 +187,15 @@ def check_image(where: str, file: Path, label: str) -> None:
     problem = pixels_problem(file)
     if problem:
         raise ConfigError(f"{where}: {label} {clip(str(file), 160)} {problem}")
+
+
+def open_condition_images(paths: Any) -> list[Any]:
+    """The condition images at `paths` (in order) as RGB PIL images, read once and closed: what a family's
+    `encode_media` takes, for the engine's prompt rows and SFT's rows alike."""
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        with Image.open(path) as image:
+            images.append(image.convert("RGB"))
+    return images

@@ -175,12 +175,9 @@ def caption_conditions(args: Any, encoder: Encoder, captions: list[str]) -> dict
 
 def media_conditions(encoder: Encoder, media: tuple[Any, ...]) -> dict[str, torch.Tensor]:
     """The condition inputs of a row's condition images (`encode_media`, as the engine encodes a prompt row's)."""
-    from PIL import Image
+    from miles.data.media import open_condition_images
 
-    images = []
-    for ref in media:
-        with Image.open(ref.path) as image:
-            images.append(image.convert("RGB"))
+    images = open_condition_images(ref.path for ref in media)
     height, width = encoder.size
     return {k: v[0].float() for k, v in encoder.family.encode_media(encoder.pipe, images, height, width).items()}
 
@@ -215,13 +212,12 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     cache = caption_conditions(args, encoder, captions)
     conditions = [cache[c] for c in captions]
     if encoder.family.condition_images != (0, 0):  # each row's source in both branches (the dropout keeps it)
-        encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}  # rows that share their sources share them
+        encoded: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}  # rows that share their sources share them
         for _, media in with_media:
-            key = tuple(str(m.path) for m in media)
-            if key not in encoded:
-                encoded[key] = media_conditions(encoder, media)
+            if media not in encoded:  # MediaRefs are frozen: a row's tuple of them is its key
+                encoded[media] = media_conditions(encoder, media)
         pairs = zip(conditions, with_media, strict=True)
-        conditions = [with_media_conditions(c, encoded[tuple(str(m.path) for m in media)]) for c, (_, media) in pairs]
+        conditions = [with_media_conditions(c, encoded[media]) for c, (_, media) in pairs]
     return SFTDataset(
         latents=torch.cat(latents).float(),
         conditions=conditions,

@@ -116,10 +116,13 @@ class TinyFluxBuild(DigitsImageBuild):
     def transformer(self) -> None:
         self.dit = make_transformer(self.seed)
 
-    def pipeline(self) -> Any:
-        from diffusers import FluxPipeline
+    # the diffusers class the build is saved as (tiny-flux-kontext: FluxKontextPipeline)
+    pipeline_class = "FluxPipeline"
 
-        return FluxPipeline(
+    def pipeline(self) -> Any:
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)(
             transformer=self.dit,
             scheduler=make_scheduler(),
             vae=self.vae,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.builtin.tiny.build import BuildReport
-from miles.builtin.tiny.flux import TinyFluxBuild, make_scheduler
+from miles.builtin.tiny.flux import TinyFluxBuild
 from miles.builtin.tiny.vae_fit import VAE_STEPS
 
 __all__ = ["TINY_FLUX_KONTEXT_NAME", "BuildReport", "build_tiny_flux_kontext"]
@@ -45,6 +45,7 @@ class TinyFluxKontextBuild(TinyFluxBuild):
 
     name = TINY_FLUX_KONTEXT_NAME
     sglang_model_id = SGLANG_MODEL_ID
+    pipeline_class = "FluxKontextPipeline"
 
     def data(self) -> None:
         import torch
@@ -54,19 +55,6 @@ class TinyFluxKontextBuild(TinyFluxBuild):
 
     def metadata(self, report: BuildReport) -> dict[str, Any]:
         return {**super().metadata(report), "max_sequence_length": MAX_SEQUENCE_LENGTH}
-
-    def pipeline(self) -> Any:
-        from diffusers import FluxKontextPipeline
-
-        return FluxKontextPipeline(
-            transformer=self.dit,
-            scheduler=make_scheduler(),
-            vae=self.vae,
-            text_encoder=self.te1,
-            tokenizer=self.clip_tok,
-            text_encoder_2=self.te2,
-            tokenizer_2=self.t5_tok,
-        )
 
 
 def build_tiny_flux_kontext(

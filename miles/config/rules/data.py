@@ -80,9 +80,7 @@ def _check_sourced_rewards(res: Resolution, family) -> None:
 
     if family.condition_images != (0, 0):
         return
-    weights = res["reward_weights"]
-    names = list(weights) if weights is not None else list(res["rm_type"] or [])
-    shown = res.show("reward_weights") if weights is not None else res.show("rm_type")
+    names, shown = _reward_names(res)
     for name in names:
         if name in REWARD_TYPES and REWARD_TYPES[name].sourced:
             res.fail(
@@ -104,6 +102,14 @@ def check_prompt_data(res: Resolution, job: JobSpec) -> None:
 REMOTE_FLAGS = ("rm_remote_name", "rm_batch_size", "rm_max_in_flight", "rm_timeout", "rm_retries", "rm_fault_wait")
 
 
+def _reward_names(res: Resolution) -> tuple[list[str], str]:
+    """The job's reward types (`--reward-weights`' names, else `--rm-type`) and the flag to name in a message."""
+    weights = res["reward_weights"]
+    if weights is not None:
+        return list(weights), res.show("reward_weights")
+    return list(res["rm_type"] or []), res.show("rm_type")
+
+
 def check_reward(res: Resolution, job: JobSpec) -> None:
     """The job's rewards (`--rm-type`, `--reward-weights`): each type's required flags, and weights that name the
     same types as `--rm-type` when both are given."""
@@ -117,8 +123,7 @@ def check_reward(res: Resolution, job: JobSpec) -> None:
         )
     if types is not None and len(set(types)) != len(types):
         res.fail(f"{res.show('rm_type')}: a reward type is given twice")
-    names = list(weights) if weights is not None else list(types or [])
-    shown = res.show("reward_weights") if weights is not None else res.show("rm_type")
+    names, shown = _reward_names(res)
     for name in names:
         missing = ["--" + dest.replace("_", "-") for dest in REWARD_TYPES[name].required if res[dest] is None]
         if missing:

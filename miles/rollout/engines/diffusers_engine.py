@@ -264,15 +264,12 @@ class DiffusersEngine:
     def _encode_media(self, reqs: list[GenerateRequest]) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
         """The condition inputs of each request's images (one row per request) and the images as [3, H, W] in
         [0, 1] (what a reward that compares an edit with its source reads)."""
-        from PIL import Image
+        from miles.data.media import open_condition_images
 
         rows: list[dict[str, torch.Tensor]] = []
         sources: list[list[torch.Tensor]] = []
         for r in reqs:
-            images = []
-            for path in r.media:
-                with Image.open(path) as image:
-                    images.append(image.convert("RGB"))
+            images = open_condition_images(r.media)
             rows.append(self.family.encode_media(self.pipe, images, r.height, r.width))
             sources.append([torch.from_numpy(np.asarray(i, dtype=np.float32) / 255).permute(2, 0, 1) for i in images])
         return {k: torch.cat([row[k] for row in rows]) for k in rows[0]}, sources
