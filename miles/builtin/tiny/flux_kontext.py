@@ -1,9 +1,10 @@
 """`build_tiny_flux_kontext(out_dir, seed)`: tiny-flux's architecture loaded by `FluxKontextPipeline`, for editing.
 
 The same components and seeds as tiny-flux (`miles.builtin.tiny.flux`), saved as a `FluxKontextPipeline`
-directory, except the VAE: it is fitted to the full-canvas digits *and* to the edit task's sources (a 32-pixel
-digit pasted at an offset of the 64-pixel canvas, `miles.data.digits_edit`), which tiny-flux's VAE, fitted to
-full-canvas digits alone, reconstructs poorly (the digit classifier reads 48 % of them after its round trip).
+directory, except the VAE: it is fitted to the full-canvas digits *and* to the edit task's sources (a 48-pixel
+digit pasted at an offset of the 64-pixel canvas, `miles.data.digits_edit`); tiny-flux's VAE, fitted to
+full-canvas digits alone, reconstructed the task's first (32-pixel) sources poorly (the digit classifier read 48 %
+of them after its round trip).
 The transformer is random: the digits edit SFT start point learns the edit.
 """
 
@@ -21,14 +22,14 @@ __all__ = ["TINY_FLUX_KONTEXT_NAME", "BuildReport", "build_tiny_flux_kontext"]
 TINY_FLUX_KONTEXT_NAME = "tiny-flux-kontext"
 SGLANG_MODEL_ID = "FLUX.1-Kontext-dev"
 PASTE_SEED = 4321  # the offsets of the pasted digits the VAE also fits
-# T5 tokens of an edit instruction: "change the 3 into a 5" is 15 with </s> (the offline tokenizers know the digit
-# prompts' words, and spell "change" and "into"); tiny-flux's 8 would cut both digits off
+# T5 tokens of an edit instruction: "make it a 5" is 9 with </s> (the offline tokenizers know the digit prompts'
+# words and spell the others letter by letter; "change the 3 into a 5" is 15); tiny-flux's 8 would cut the digit off
 MAX_SEQUENCE_LENGTH = 16
 
 
 def pasted_digits_vae_input(x8: Any, seed: int = PASTE_SEED) -> Any:
-    """(N, 8, 8) digits -> (N, 3, 64, 64) in [-1, 1]: each a 32-pixel digit at a random offset (the edit task's
-    sources)."""
+    """(N, 8, 8) digits -> (N, 3, 64, 64) in [-1, 1]: each a DIGIT_PIXELS digit at a random offset (the edit
+    task's sources)."""
     import numpy as np
     import torch
 
