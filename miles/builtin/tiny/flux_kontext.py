@@ -16,6 +16,7 @@ from typing import Any
 from miles.builtin.tiny.build import BuildReport
 from miles.builtin.tiny.flux import TinyFluxBuild
 from miles.builtin.tiny.vae_fit import VAE_STEPS
+from miles.models.tiny.metadata import current_design
 
 __all__ = ["TINY_FLUX_KONTEXT_NAME", "BuildReport", "build_tiny_flux_kontext"]
 
@@ -55,7 +56,9 @@ class TinyFluxKontextBuild(TinyFluxBuild):
         self.train = torch.cat([self.train, pasted_digits_vae_input(self.split.train_x)])
 
     def metadata(self, report: BuildReport) -> dict[str, Any]:
-        return {**super().metadata(report), "max_sequence_length": MAX_SEQUENCE_LENGTH}
+        # the design: a cached build of another one is rebuilt (miles.builtin.checkpoints)
+        design = current_design(self.name)
+        return {**super().metadata(report), "max_sequence_length": MAX_SEQUENCE_LENGTH, "design": design}
 
 
 def build_tiny_flux_kontext(
