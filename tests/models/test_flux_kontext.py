@@ -169,3 +169,30 @@ def test_recorded_log_probs_are_reproduced_by_a_recompute(case, sources) -> None
                 prev_sample=traj.latents[i + 1][None],
             )
             assert abs(res.log_prob.item() - traj.log_probs[j].item()) <= 1e-6, name
+
+
+def test_a_traced_source_takes_the_outputs_grid() -> None:
+    """Under the memory plan's fake tensors a recorded grid cannot be read: a source the output's size (the plan's
+    example) takes the output's grid, any other is refused; a real grid is read as recorded."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from miles.models.flux_kontext.config import source_grid
+
+    assert source_grid(torch.tensor([[6, 10]]), 15, (8, 8)) == (6, 10)
+    with FakeTensorMode():
+        fake = torch.empty(2)
+    assert source_grid(fake, 16, (8, 8)) == (8, 8)
+    assert source_grid(torch.empty(2, device="meta"), 16, (8, 8)) == (8, 8)
+    with pytest.raises(ValueError, match="only a source the output's size is traced"):
+        source_grid(fake, 12, (8, 8))
+
+
+def test_the_memory_plan_traces_an_edit_job(tiny_flux_kontext_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """`inspect-config` of the edit recipe on a built checkpoint traces the actor's step (it read the fake source
+    grid's values before, and failed once the checkpoint was built)."""
+    from miles_cli.main import main
+
+    args = ["inspect-config", "--job", "sft", "--recipe", "tiny-flux-kontext-edit-sft"]
+    args += ["--hf-checkpoint", str(tiny_flux_kontext_dir), "--diffusion-model-family", "flux_kontext"]
+    assert main(args) == 0
+    assert "traced actor step (64 x 4x8x8" in capsys.readouterr().out

@@ -22,10 +22,24 @@ from miles.models.families import register_train_pipeline_config
 from miles.models.flux.config import FluxTrainPipelineConfig, latent_image_ids, pack_latents, unpack_latents
 
 
-def reference_image_ids(grid: Any, device: Any, dtype: Any) -> Any:
-    """RoPE positions of a source's packed tokens: its latent grid's ids with axis 0 set to 1."""
+def source_grid(grid: Any, tokens: int, output_grid: tuple[int, int]) -> tuple[int, int]:
+    """A source's latent grid (h, w), read from its recorded `ref_grid`. Under the memory plan's trace (fake or meta
+    tensors, whose values cannot be read) it is the output's grid when the source has as many packed tokens, which
+    is the plan's example (`example_media_conditions`: a source the size of the output); otherwise a ValueError."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(grid) or grid.device.type == "meta":
+        h, w = output_grid
+        if tokens != (h // 2) * (w // 2):
+            raise ValueError(f"a traced source of {tokens} packed tokens: only a source the output's size is traced")
+        return h, w
     h, w = (int(v) for v in grid.reshape(-1, 2)[0].tolist())
-    ids = latent_image_ids(h, w, device, dtype)
+    return h, w
+
+
+def reference_image_ids(grid: tuple[int, int], device: Any, dtype: Any) -> Any:
+    """RoPE positions of a source's packed tokens: its latent grid's (h, w) ids with axis 0 set to 1."""
+    ids = latent_image_ids(*grid, device, dtype)
     ids[:, 0] = 1
     return ids
 
@@ -71,12 +85,9 @@ class FluxKontextTrainPipelineConfig(FluxTrainPipelineConfig):
         ref = cond["ref_tokens"].to(latents.dtype)
         tokens = pack_latents(latents)
         n_gen = tokens.shape[1]
-        ids = torch.cat(
-            [
-                latent_image_ids(h, w, latents.device, latents.dtype),
-                reference_image_ids(cond["ref_grid"], latents.device, latents.dtype),
-            ]
-        )
+        grid = source_grid(cond["ref_grid"], ref.shape[1], (h, w))
+        own = latent_image_ids(h, w, latents.device, latents.dtype)
+        ids = torch.cat([own, reference_image_ids(grid, latents.device, latents.dtype)])
         guidance = cond.get("guidance") if transformer.config.guidance_embeds else None
         out = transformer(
             hidden_states=torch.cat([tokens, ref], dim=1),
