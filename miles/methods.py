@@ -137,6 +137,10 @@ METHODS: dict[str, Method] = {
 }
 LOSS_TYPES: tuple[str, ...] = tuple(METHODS)
 
+# `--diffusion-cfg-uncond-grad`: how a `guided_forward` method's trained CFG forward treats the unconditional branch
+# (`TrainPipelineConfig.guided_velocity`): `full` backpropagates through both branches, `detach` runs it without grad
+UNCOND_GRAD_MODES: tuple[str, ...] = ("full", "detach")
+
 
 def method(name: str) -> Method:
     try:

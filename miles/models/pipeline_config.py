@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from miles.core.errors import ConfigError
+from miles.methods import UNCOND_GRAD_MODES
 from miles.models.scheduler_grid import (
     FLOW_MATCH_EULER,
     dynamic_shift_mu,
@@ -245,21 +246,34 @@ class TrainPipelineConfig(SglangAdapter):
         neg: Mapping[str, Any] | None = None,
         cfg_scale: float | None = None,
         cfg_scale_2: float | None = None,
+        uncond_grad: str = "full",
     ) -> Any:
         """The velocity in fp32 with this family's guidance: one forward, or (when `cfg_scale > 1`) the
         positive and negative branches, in one batch (`cfg_batching`) or two forwards, then `cfg_combine`.
         The engines, the trainer, DMD2 and SFT all call this, so their forwards are the same computation.
-        `cfg_scale_2` is the second expert's scale (`--diffusion-guidance-scale-2`, families with experts)."""
+        `cfg_scale_2` is the second expert's scale (`--diffusion-guidance-scale-2`, families with experts).
+
+        `uncond_grad` (`--diffusion-cfg-uncond-grad`, the trainer's guided forward): `full` backpropagates through
+        both branches; `detach`, when gradients are on, runs the negative branch as its own forward under
+        `torch.no_grad()` and the positive one with grad, so the combine's gradient flows through the positive
+        branch only (the negative's value is the same up to float rounding of the smaller batch). Without
+        gradients (a reference forward, the engines) `detach` runs what `full` runs."""
+        if uncond_grad not in UNCOND_GRAD_MODES:
+            raise ValueError(f"uncond_grad {uncond_grad!r}: expected one of {', '.join(UNCOND_GRAD_MODES)}")
         if cfg_scale_2 is not None and not self.experts:
             raise ValueError(f"model family {self.name!r} has one transformer: a second guidance scale has no expert")
         if cfg_scale is None or cfg_scale <= 1.0:
             return self.forward_velocity(transformer, latents, timestep, pos).float()
         if neg is None:
             raise ValueError(f"CFG at scale {cfg_scale} needs negative conditions")
-        scale = self.row_guidance(transformer, latents, timestep, cfg_scale, cfg_scale_2)
-        if self.cfg_batching:
-            import torch
+        import torch
 
+        scale = self.row_guidance(transformer, latents, timestep, cfg_scale, cfg_scale_2)
+        if uncond_grad == "detach" and torch.is_grad_enabled():
+            with torch.no_grad():  # the unconditional branch as a constant: no graph, no backward
+                v_neg = self.forward_velocity(transformer, latents, timestep, neg).float()
+            v_pos = self.forward_velocity(transformer, latents, timestep, pos).float()
+        elif self.cfg_batching:
             cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
             out = self.forward_velocity(
                 transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), cond
@@ -269,6 +283,21 @@ class TrainPipelineConfig(SglangAdapter):
             v_pos = self.forward_velocity(transformer, latents, timestep, pos).float()
             v_neg = self.forward_velocity(transformer, latents, timestep, neg).float()
         return self.cfg_combine(v_pos, v_neg, scale)
+
+    def check_uncond_grad(self, mode: str) -> None:
+        """ConfigError when `mode` (`--diffusion-cfg-uncond-grad`) is not `full` and this family's `guided_velocity`
+        (an override written before the flag) takes no `uncond_grad`: the trainer passes it only for other modes."""
+        import inspect
+
+        if mode == "full":
+            return
+        params = inspect.signature(self.guided_velocity).parameters.values()
+        if any(p.name == "uncond_grad" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return
+        raise ConfigError(
+            f"--diffusion-cfg-uncond-grad {mode}: model family {self.name!r} overrides guided_velocity without its "
+            "uncond_grad argument (TrainPipelineConfig.guided_velocity); add it, or use full"
+        )
 
     def row_guidance(
         self, transformer: Any, latents: Any, timestep: Any, cfg_scale: float, cfg_scale_2: float | None
@@ -488,6 +517,33 @@ class TrainPipelineConfig(SglangAdapter):
         self._check_video_and_experts(res)
         if self.condition_images != (0, 0):
             self._check_conditioned_job(res, job)
+        if job.trains_on_rollouts and res["diffusion_cfg_uncond_grad"] != "full":
+            self._check_cfg_uncond_grad(res)
+
+    def _check_cfg_uncond_grad(self, res: Any) -> None:
+        """`--diffusion-cfg-uncond-grad detach` needs an unconditional branch in the trained forward: CFG in
+        training (`supports_cfg_training`) at a two-branch scale above 1 (`cfg_scale`); a guidance-distilled family
+        (`guidance_mode` "embedded") has one only under a true-CFG scale."""
+        flag = res.show("diffusion_cfg_uncond_grad")
+        guidance, true_cfg = float(res["diffusion_guidance_scale"]), res["diffusion_true_cfg_scale"]
+        if not self.supports_cfg_training:
+            res.fail(
+                f"{flag}: model family {self.name!r} trains without CFG, so its trained forward has no unconditional "
+                "branch to detach; remove it"
+            )
+        if self.cfg_scale(guidance, true_cfg) > 1.0:
+            return
+        if self.guidance_mode == "embedded" and true_cfg is None:
+            res.fail(
+                f"{flag}: model family {self.name!r} takes {res.show('diffusion_guidance_scale')} as a model input "
+                "(guidance-distilled, one branch), so its trained forward has no unconditional branch to detach; "
+                "true CFG needs --diffusion-true-cfg-scale > 1"
+            )
+        scale = "diffusion_true_cfg_scale" if true_cfg is not None else "diffusion_guidance_scale"
+        res.fail(
+            f"{flag}: CFG is off in training ({res.show(scale)}, at most 1), so the trained forward has no "
+            "unconditional branch to detach; remove it"
+        )
 
     def _check_conditioned_job(self, res: Any, job: Any) -> None:
         """What an edit / image-to-video family does not run yet: DMD2 (its few-step student samples from text

@@ -68,6 +68,7 @@ class Trainer:
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
         torch.manual_seed(args.seed)
         self.family = family_of(args)
+        self.family.check_uncond_grad(args.diffusion_cfg_uncond_grad)  # a user family's own guided forward
         model = load_transformer(args, self.family)
         if args.use_lora:
             model = apply_lora(model, args, self.family)
@@ -124,10 +125,13 @@ class Trainer:
         cfg_scale_2: float | None = None,
     ) -> torch.Tensor:
         """`velocity` on batched condition tensors (`neg` is needed when `cfg_scale > 1`): the family's
-        guided forward, the same computation the engine ran (`cfg_scale_2`: a second expert's scale)."""
+        guided forward, the same computation the engine ran (`cfg_scale_2`: a second expert's scale), with its
+        unconditional branch's gradient as `--diffusion-cfg-uncond-grad` says (under grad only)."""
         model = self.model if self._forward_model is None else self._forward_model
         x = x.to(self.forward_dtype)
-        return self.family.guided_velocity(model, x, timesteps, pos, neg, cfg_scale, cfg_scale_2)
+        uncond_grad = self.args.diffusion_cfg_uncond_grad
+        extra = {} if uncond_grad == "full" else {"uncond_grad": uncond_grad}  # full: the call of before the flag
+        return self.family.guided_velocity(model, x, timesteps, pos, neg, cfg_scale, cfg_scale_2, **extra)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:

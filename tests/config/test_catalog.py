@@ -313,6 +313,8 @@ MILES_ADDITIONS: dict[str, tuple[str, object]] = {
     "--diffusion-shared-prefix": (BOOL, False),
     "--diffusion-ode-solver": (ENUM, "euler"),
     "--diffusion-post-sde-steps-ratio": (FLOAT, None),
+    # issue 46: flow_grpo's detached unconditional branch in the trained CFG forward
+    "--diffusion-cfg-uncond-grad": (ENUM, "full"),
     # Diffusion-DPO (--loss-type dpo): online and offline
     "--diffusion-dpo-beta": (FLOAT, 100.0),
     "--diffusion-dpo-num-timesteps": (INT, 1),
@@ -427,6 +429,7 @@ def test_enum_choices() -> None:
     assert choices("--lr-decay-style") == ("constant", "linear", "cosine", "inverse-square-root", "WSD")
     assert choices("--diffusion-sde-type") == ("sde", "cps", "ode")
     assert choices("--ref-mode") == ("none", "lora_base", "ema", "frozen")
+    assert choices("--diffusion-cfg-uncond-grad") == ("full", "detach")
     assert choices("--wandb-mode") == ("online", "offline", "disabled")
     assert set(choices("--rm-type") or ()) == {
         "digit",

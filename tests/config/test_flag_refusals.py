@@ -6,6 +6,9 @@ One line each, naming the flag, its value and its source, as every ConfigError d
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from jobs_helpers import BASE, assert_names, rejected, run
@@ -88,3 +91,66 @@ def test_dump_details_fills_the_dump_paths_the_job_writes() -> None:
 def test_subsample_needs_saved_rollouts() -> None:
     message = rejected(load_debug_rollout_data_subsample=0.5)
     assert_names(message, "--load-debug-rollout-data-subsample 0.5 (cli)", "requires --load-debug-rollout-data")
+
+
+@pytest.mark.parametrize(
+    ("changes", "names"),
+    [
+        ({"loss_type": "nft", "use_ema": True}, ("--loss-type nft (cli) trains an unguided forward", "policy_loss")),
+        ({"loss_type": "dpo"}, ("--loss-type dpo (cli) trains an unguided forward", "custom_loss")),
+        ({"debug_rollout_only": True}, ("--debug-rollout-only on (cli) trains nothing",)),
+        ({"diffusion_guidance_scale": 1.0}, ("CFG is off in training", "--diffusion-guidance-scale 1.0 (cli)")),
+        ({"hf_checkpoint": "tiny-flux"}, ("model family 'flux'", "guidance-distilled", "--diffusion-true-cfg-scale")),
+        (
+            {"hf_checkpoint": "tiny-qwen-image", "diffusion_true_cfg_scale": 1.0},
+            ("CFG is off in training", "--diffusion-true-cfg-scale 1.0 (cli)"),
+        ),
+        ({"hf_checkpoint": "tiny-ltx2", "diffusion_guidance_scale": 1.0}, ("model family 'ltx' trains without CFG",)),
+    ],
+    ids=["nft", "dpo", "rollout-only-mode", "no-cfg", "flux-embedded", "qwen-true-cfg-1", "ltx"],
+)
+def test_cfg_uncond_grad_detach_needs_a_trained_cfg_forward(changes: dict, names: tuple[str, ...]) -> None:
+    """`--diffusion-cfg-uncond-grad detach` detaches the unconditional branch of the trained CFG forward: refused where
+    the method trains an unguided forward, nothing trains, CFG is off, or the family has no negative branch."""
+    assert_names(
+        rejected(diffusion_cfg_uncond_grad="detach", **changes), "--diffusion-cfg-uncond-grad detach (cli)", *names
+    )
+    assert run(**changes).args.diffusion_cfg_uncond_grad == "full"  # the default is accepted everywhere
+
+
+@pytest.mark.parametrize("job", ["sft", "dmd2", "eval", "rollout-only"])
+def test_cfg_uncond_grad_is_for_the_jobs_that_train_on_rollouts(job: str) -> None:
+    assert_names(rejected(job, diffusion_cfg_uncond_grad="detach"), "--diffusion-cfg-uncond-grad", "`miles train rl`")
+
+
+def test_cfg_uncond_grad_detach_is_accepted_where_cfg_is_trained() -> None:
+    for changes in (
+        {},
+        {"loss_type": "custom_loss", "custom_loss_function_path": "my.loss"},
+        {"hf_checkpoint": "tiny-flux", "diffusion_true_cfg_scale": 2.0},  # true CFG beside the embedded guidance
+        {"hf_checkpoint": "tiny-qwen-image"},  # its guidance scale is the true-CFG scale
+    ):
+        assert run(diffusion_cfg_uncond_grad="detach", **changes).args.diffusion_cfg_uncond_grad == "detach"
+    assert run("replay", diffusion_cfg_uncond_grad="detach").args.diffusion_cfg_uncond_grad == "detach"
+
+
+def test_cfg_uncond_grad_refusal_is_one_line_and_exit_2_before_ray() -> None:
+    """On the command line: exit 2, one line on stderr, neither torch nor Ray imported."""
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys\n"
+        "from miles_cli.main import main\n"
+        "argv = ['train', 'rl', '--recipe', 'tiny-digits-grpo', '--loss-type', 'nft', '--use-ema',\n"
+        "        '--diffusion-cfg-uncond-grad', 'detach']\n"
+        "code = main(argv)\n"
+        "print(f'EXIT={code} HEAVY=' + ','.join(m for m in ('torch', 'ray') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env.pop("MILES_DIFFUSION_MODEL_FAMILY", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=60
+    )
+    assert result.stdout.strip().endswith("EXIT=2 HEAVY="), (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert_names(lines[0], "--diffusion-cfg-uncond-grad detach (cli)", "--loss-type nft (cli)")

@@ -29,6 +29,10 @@ DISTILL_JOBS = job_names(lambda job: job.distills)
 DATASET_JOBS = job_names(lambda job: job.trains_on_dataset)
 NFT_JOBS = frozenset(METHODS["nft"].jobs)  # the jobs whose --loss-type takes nft
 DPO_JOBS = frozenset(METHODS["dpo"].jobs)  # the jobs whose --loss-type takes dpo
+# the jobs that train on rollouts with a method whose trained forward is the rollout's guided one (CFG in training)
+GUIDED_TRAIN_JOBS = job_names(
+    lambda job: job.trains_on_rollouts and any(m.guided_forward and job.name in m.jobs for m in METHODS.values())
+)
 ENGINE_JOBS = job_names(lambda job: job.starts_engines)
 LOOP_JOBS = job_names(lambda job: job.alternates_rollout_and_training)
 CHECKPOINT_JOBS = job_names(lambda job: job.saves_checkpoints)
