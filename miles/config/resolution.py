@@ -80,6 +80,17 @@ class Resolution:
     def fail(self, message: str) -> NoReturn:
         raise ConfigError(message)
 
+    def not_applicable(self, dest: str, reason: str, advice: str = "remove it") -> None:
+        """`dest`'s value does not apply under the job's other settings (`reason`). Refused where the user set it
+        (command line or YAML: "FLAG VALUE (cli): REASON; ADVICE"); a recipe's value falls back to the flag's default
+        with a warning, because the user changed another setting and never typed this one (`--debug-rollout-only`
+        on a recipe that trains)."""
+        if self.sources[dest] != RECIPE:
+            self.fail(f"{self.show(dest)}: {reason}; {advice}")
+        flag = FLAGS_BY_DEST[dest]
+        self.warn(f"{self.show(dest)}: {reason}; using {_option(dest)} {flag.format(flag.default)} instead")
+        self.derive(dest, copy.deepcopy(flag.default))
+
     def to_args(self) -> Args:
         return Args(self.values, self.sources, self.job, copy.deepcopy(self.trainer_overrides))
 

@@ -523,26 +523,32 @@ class TrainPipelineConfig(SglangAdapter):
     def _check_cfg_uncond_grad(self, res: Any) -> None:
         """`--diffusion-cfg-uncond-grad detach` needs an unconditional branch in the trained forward: CFG in
         training (`supports_cfg_training`) at a two-branch scale above 1 (`cfg_scale`); a guidance-distilled family
-        (`guidance_mode` "embedded") has one only under a true-CFG scale."""
-        flag = res.show("diffusion_cfg_uncond_grad")
+        (`guidance_mode` "embedded") has one only under a true-CFG scale. A recipe's value falls back to full with a
+        warning where it does not apply (`Resolution.not_applicable`)."""
+        dest = "diffusion_cfg_uncond_grad"
         guidance, true_cfg = float(res["diffusion_guidance_scale"]), res["diffusion_true_cfg_scale"]
         if not self.supports_cfg_training:
-            res.fail(
-                f"{flag}: model family {self.name!r} trains without CFG, so its trained forward has no unconditional "
-                "branch to detach; remove it"
+            res.not_applicable(
+                dest,
+                f"model family {self.name!r} trains without CFG, so its trained forward has no unconditional branch "
+                "to detach",
             )
+            return
         if self.cfg_scale(guidance, true_cfg) > 1.0:
             return
         if self.guidance_mode == "embedded" and true_cfg is None:
-            res.fail(
-                f"{flag}: model family {self.name!r} takes {res.show('diffusion_guidance_scale')} as a model input "
-                "(guidance-distilled, one branch), so its trained forward has no unconditional branch to detach; "
-                "true CFG needs --diffusion-true-cfg-scale > 1"
+            res.not_applicable(
+                dest,
+                f"model family {self.name!r} takes {res.show('diffusion_guidance_scale')} as a model input "
+                "(guidance-distilled, one branch), so its trained forward has no unconditional branch to detach",
+                "true CFG needs --diffusion-true-cfg-scale > 1",
             )
+            return
         scale = "diffusion_true_cfg_scale" if true_cfg is not None else "diffusion_guidance_scale"
-        res.fail(
-            f"{flag}: CFG is off in training ({res.show(scale)}, at most 1), so the trained forward has no "
-            "unconditional branch to detach; remove it"
+        res.not_applicable(
+            dest,
+            f"CFG is off in training ({res.show(scale)}, at most 1), so the trained forward has no unconditional "
+            "branch to detach",
         )
 
     def _check_conditioned_job(self, res: Any, job: Any) -> None:

@@ -101,18 +101,21 @@ def check_dpo(res: Resolution, job: JobSpec) -> None:
 def check_cfg_uncond_grad(res: Resolution, job: JobSpec) -> None:
     """`--diffusion-cfg-uncond-grad detach` changes the gradient of the trained CFG forward: the job must train on
     rollouts with a method whose trained forward is the rollout's guided one (`guided_forward` in the method table),
-    and the family must train with CFG (the family's `check_settings`)."""
+    and the family must train with CFG (the family's `check_settings`). A recipe's detach that another setting makes
+    inapplicable falls back to full with a warning (`Resolution.not_applicable`); the user's own is refused."""
     if res["diffusion_cfg_uncond_grad"] == "full" or job.name not in FLAGS_BY_DEST["diffusion_cfg_uncond_grad"].jobs:
         return  # a recipe's value for another job is kept, unused (the CLI refuses it by the flag's job scope)
-    flag = res.show("diffusion_cfg_uncond_grad")
+    dest = "diffusion_cfg_uncond_grad"
     if res["debug_rollout_only"]:
-        res.fail(f"{flag}: {res.show('debug_rollout_only')} trains nothing; remove it")
+        res.not_applicable(dest, f"{res.show('debug_rollout_only')} trains nothing")
+        return
     known = METHODS.get(res["loss_type"])
     if known is not None and not known.guided_forward:
         guided = ", ".join(m.name for m in METHODS.values() if m.guided_forward and job.name in m.jobs)
-        res.fail(
-            f"{flag}: {res.show('loss_type')} trains an unguided forward (no CFG branch to detach); it applies to "
-            f"--loss-type {guided}"
+        res.not_applicable(
+            dest,
+            f"{res.show('loss_type')} trains an unguided forward (no CFG branch to detach)",
+            f"it applies to --loss-type {guided}",
         )
 
 
