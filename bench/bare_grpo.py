@@ -1,6 +1,7 @@
 """The bare-PyTorch Flow-GRPO micro-step the training benches compare miles' trainer with.
 
-A plain `nn.Module` forward of one micro-batch of pairs (CFG as one doubled batch), the SDE log-prob of the recorded
+A plain `nn.Module` forward of one micro-batch of pairs (CFG as one doubled batch, or under `detach` the
+unconditional half without grad), the SDE log-prob of the recorded
 transition, the PPO-clip loss, and its backward scaled by the micro-batch's share of the optimizer step: no
 sharding, no process group, no bookkeeping. Used by `bench/train_step.py` and `bench/phases.py`.
 """
@@ -14,7 +15,8 @@ import torch
 
 def bare_micro_step(model: torch.nn.Module, batch: list, n_pairs: int, settings: dict[str, Any]) -> None:
     """Forward, loss and backward of `batch` (pairs of `miles.training.pairs`), weighted `len(batch) / n_pairs`.
-    `settings`: guidance_scale, sde_type, noise_level, clip_range, adv_clip_max."""
+    `settings`: guidance_scale, sde_type, noise_level, clip_range, adv_clip_max, uncond_grad (`full`: CFG as one
+    doubled batch with grad; `detach`: the unconditional half as its own forward without grad)."""
     from miles.algorithms.policy_loss import policy_loss
     from miles.sampling.sde import sde_step
     from miles.training.pairs import stack_conditions
@@ -28,9 +30,14 @@ def bare_micro_step(model: torch.nn.Module, batch: list, n_pairs: int, settings:
     sig_next = torch.stack([t.sigmas[p.step + 1] for t, p in zip(tr, batch, strict=True)])
     old = torch.stack([t.log_probs[p.slot] for t, p in zip(tr, batch, strict=True)])
     pos, neg = stack_conditions(ss, False), stack_conditions(ss, True)
-    cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
-    out = model(hidden_states=torch.cat([x, x]), timestep=ts.repeat(2), return_dict=False, **cond)[0]
-    v_neg, v_pos = out.chunk(2)
+    if settings.get("uncond_grad", "full") == "detach":  # the unconditional branch without grad, as flow_grpo's
+        with torch.no_grad():
+            v_neg = model(hidden_states=x, timestep=ts, return_dict=False, **neg)[0]
+        v_pos = model(hidden_states=x, timestep=ts, return_dict=False, **pos)[0]
+    else:
+        cond = {k: torch.cat([neg[k], pos[k]]) for k in pos}
+        out = model(hidden_states=torch.cat([x, x]), timestep=ts.repeat(2), return_dict=False, **cond)[0]
+        v_neg, v_pos = out.chunk(2)
     v = v_neg + float(settings["guidance_scale"]) * (v_pos - v_neg)
     res = sde_step(
         v,
@@ -57,4 +64,5 @@ def settings_of(args: Any) -> dict[str, Any]:
         "noise_level": args.diffusion_noise_level,
         "clip_range": args.diffusion_clip_range,
         "adv_clip_max": args.diffusion_adv_clip_max,
+        "uncond_grad": args.diffusion_cfg_uncond_grad,
     }

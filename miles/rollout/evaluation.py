@@ -6,7 +6,9 @@ Datasets come from `--eval-prompt-data NAME PATH` (repeatable) or `--eval-config
 digit `label`, also `accuracy` (the digit classifier agrees with the prompt) and `fd` (Fréchet
 distance of classifier features against the real digits test split); for video samples both are per
 frame, and prompts whose metadata also holds a `direction` add `direction_acc` (the share of videos whose
-digit travels that way; `miles.rewards.scorers.digit_metrics.digit_eval_metrics`).
+digit travels that way; `miles.rewards.scorers.digit_metrics.digit_eval_metrics`). For an edit (every sample has a
+source image) the classifier reads what `digit_edit` reads: the crop at the source digit's size around the output's
+ink.
 """
 
 from __future__ import annotations
@@ -188,7 +190,14 @@ def eval_metrics(args: Any, name: str, samples: list[Sample]) -> dict[str, float
     if labelled and len(labelled) == len(samples):
         from miles.rewards.scorers.digit_metrics import digit_eval_metrics
 
-        metrics = digit_eval_metrics([s.image for s in samples], [s.metadata for s in samples], _classifier_for(args))
+        # an edit's digit is read where digit_edit reads it: cropped at its source digit's size
+        edits = all(s.sources for s in samples)
+        metrics = digit_eval_metrics(
+            [s.image for s in samples],
+            [s.metadata for s in samples],
+            _classifier_for(args),
+            sources=[s.sources[0] for s in samples] if edits else None,
+        )
         out.update({f"eval/{name}/{key}": float(value) for key, value in metrics.items()})
     return out
 

@@ -138,3 +138,20 @@ def test_digit_edit_through_the_dispatch(tiny_sd3_dir, digit_of, digit_classifie
     samples[1].metadata = {"source_label": 3}
     with pytest.raises(RewardError, match=r"sample 1 .*metadata\.label"):
         asyncio.run(batched_async_rm(args, samples[1:]))
+
+
+def test_an_edits_eval_accuracy_reads_the_reward_crop(digit_of, digit_classifier) -> None:
+    """`miles eval`'s digit `accuracy` of an edit reads the digit where `digit_edit` reads it (the crop at the source
+    digit's size around the output's ink): every right edit of the 90 pairs counts, every copied source does not.
+    The whole canvas, which the classifier was not fitted to for a digit pasted at an offset, reads fewer right."""
+    from miles.rewards.scorers.digit_metrics import digit_eval_metrics
+
+    pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
+    sources = [canvas(digit_of[a], 8, 4, digit=48) for a, _ in pairs]
+    rights = [canvas(digit_of[b], 8, 4, digit=48) for _, b in pairs]
+    meta = [{"label": b} for _, b in pairs]
+    edit = digit_eval_metrics(rights, meta, digit_classifier, sources=sources)
+    assert edit["accuracy"] >= 0.95 and "fd" in edit
+    assert digit_eval_metrics(sources, meta, digit_classifier, sources=sources)["accuracy"] <= 0.05
+    whole = digit_eval_metrics(rights, meta, digit_classifier)
+    assert whole["accuracy"] < edit["accuracy"] - 0.2

@@ -116,6 +116,21 @@ def preservation_terms(edited: np.ndarray, source: np.ndarray) -> tuple[float, f
     return place, size, offset
 
 
+def _crops(edited: Sequence[np.ndarray], originals: Sequence[np.ndarray]) -> np.ndarray:
+    """[N, 8, 8]: each edited gray image's crop at its source digit's side (scaled to the edited image's resolution)
+    around its own ink, pooled to the classifier's 8x8 digit."""
+    sides = [ink_box(x)[1] * y.shape[0] / x.shape[0] for x, y in zip(originals, edited, strict=True)]
+    return np.stack([crop_digit(g, side) for g, side in zip(edited, sides, strict=True)])
+
+
+def edit_crops(images: Sequence[Any], sources: Sequence[Any]) -> np.ndarray:
+    """The 8x8 digits the reward's classifier reads, one per (edited image, source image): what `p_b` scores, and
+    what the eval's `accuracy` and `fd` read for an edit (`digit_eval_metrics`)."""
+    if len(images) != len(sources):
+        raise ValueError(f"{len(images)} images but {len(sources)} sources")
+    return _crops([gray(im) for im in images], [gray(source) for source in sources])
+
+
 def edit_terms(
     images: Sequence[Any], sources: Sequence[Any], labels: Sequence[int], classifier: Any = None
 ) -> list[EditTerms]:
@@ -126,9 +141,7 @@ def edit_terms(
         return []
     edited = [gray(im) for im in images]
     originals = [gray(source) for source in sources]
-    # the crop: the source digit's side, scaled to the edited image's resolution
-    sides = [ink_box(x)[1] * y.shape[0] / x.shape[0] for x, y in zip(originals, edited, strict=True)]
-    x8 = np.stack([crop_digit(g, side) for g, side in zip(edited, sides, strict=True)])
+    x8 = _crops(edited, originals)
     probs = as_classifier(classifier).predict_proba(digits_to_features(x8))
     out = []
     for k, (g, x, label) in enumerate(zip(edited, originals, labels, strict=True)):

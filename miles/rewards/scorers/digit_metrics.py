@@ -125,12 +125,18 @@ def direction_accuracy(videos: Any, directions: Sequence[str], value_range: str 
 
 
 def digit_eval_metrics(
-    images: Sequence[Any], metadata: Sequence[Mapping[str, Any]], classifier: Any = None, value_range: str = "auto"
+    images: Sequence[Any],
+    metadata: Sequence[Mapping[str, Any]],
+    classifier: Any = None,
+    value_range: str = "auto",
+    sources: Sequence[Any] | None = None,
 ) -> dict[str, float]:
     """The digit metrics of eval samples whose metadata holds `label`: `accuracy` (per frame for videos),
     `fd` (when more than 10 digits/frames are read; videos against real moving digits' frames) and, for
     videos whose metadata holds `direction`, `direction_acc`.
-    `images`: one `[3, H, W]` image or `[3, F, H, W]` video per sample."""
+    `images`: one `[3, H, W]` image or `[3, F, H, W]` video per sample. With `sources` (an edit: one source image
+    per sample), the classifier reads what `digit_edit` reads: the crop at the source digit's size around the
+    output's ink (the whole canvas would hold a digit pasted at an offset, which the classifier was not fitted to)."""
     from miles.rewards.scorers.digit import sample_digits
 
     images = list(images)
@@ -138,7 +144,12 @@ def digit_eval_metrics(
         raise ValueError(f"{len(images)} samples but {len(metadata)} metadata")
     clf = as_classifier(classifier)
     labels = np.asarray([int(m["label"]) for m in metadata], dtype=np.int64)
-    x8, owner = sample_digits(images, value_range)
+    if sources is not None:
+        from miles.rewards.scorers.digit_edit import edit_crops
+
+        x8, owner = edit_crops(images, sources), np.arange(len(images))
+    else:
+        x8, owner = sample_digits(images, value_range)
     pred = clf.predict(digits_to_features(x8))
     out = {"accuracy": float((pred == labels[owner]).mean()) if len(pred) else 0.0}
     if len(x8) > 10:
