@@ -27,6 +27,7 @@ GPU_RECIPES = {
     "sd3-pickscore-nft",
     "sd35-4step",
     "flux-pickscore-grpo",
+    "flux-kontext-edit-grpo",
     "qwen-image-pickscore-grpo",
     "wan22-pickscore-grpo",
     "wan22-lora-sft",
@@ -186,7 +187,7 @@ def test_every_gpu_recipe_has_a_provenance_table_that_matches_it() -> None:
 def test_a_doctored_table_is_reported(tmp_path: Path) -> None:
     text = PAGE.read_text()
     row = "| noise level, SDE type `--diffusion-noise-level` `--diffusion-sde-type` | `0.9` `sde` |"
-    assert text.count(row) == 2  # flux and wan22
+    assert text.count(row) == 3  # flux, wan22 and flux-kontext (flux's comes first)
     doctored = tmp_path / "recipes.md"
     doctored.write_text(text.replace(row, row.replace("`0.9`", "`0.8`"), 1))
     problems = check_page(doctored.read_text())

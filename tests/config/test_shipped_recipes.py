@@ -72,6 +72,7 @@ def test_every_shipped_recipe_is_sound(name: str) -> None:
 def test_the_gpu_recipes() -> None:
     assert GPU_RECIPES == [
         "cosmos3-pickscore-t2i",
+        "flux-kontext-edit-grpo",
         "flux-pickscore-grpo",
         "ltx23-pickscore-grpo",
         "qwen-image-pickscore-grpo",

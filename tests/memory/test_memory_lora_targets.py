@@ -19,6 +19,7 @@ SD35 = next(d for d, _ in MODELS if d.name == "stable-diffusion-3.5-medium")
 # trainable parameters of each shipped GPU recipe's trainers (its rank, its targets or the family's)
 TRAINABLE = {
     "cosmos3-pickscore-t2i": {"actor": 61_341_696},  # r64, GEN attention only (the recipe's targets)
+    "flux-kontext-edit-grpo": {"actor": 216_662_016},  # r64 on flow_grpo's 13 targets (the flux 14 less proj_out)
     "flux-pickscore-grpo": {"actor": 261_689_344},  # r64 (r32: 130,844,672, exactly half)
     "ltx23-pickscore-grpo": {"actor": 616_562_688},  # r64
     "qwen-image-pickscore-grpo": {"actor": 424_673_280},  # r64

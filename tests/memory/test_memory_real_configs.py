@@ -15,6 +15,7 @@ from miles.memory.shipped import shipped_models, shipped_recipes
 ROOT = Path(__file__).resolve().parents[2]
 GPU_RECIPES = {
     "cosmos3-pickscore-t2i": "nvidia/Cosmos3-Nano",
+    "flux-kontext-edit-grpo": "black-forest-labs/FLUX.1-Kontext-dev",
     "flux-pickscore-grpo": "black-forest-labs/FLUX.1-dev",
     "ltx23-pickscore-grpo": "Lightricks/LTX-2",
     "qwen-image-pickscore-grpo": "Qwen/Qwen-Image",
