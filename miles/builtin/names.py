@@ -36,7 +36,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-wan2_2-digits-sft-short": 100,  # eval reward 0.32 (accuracy 0.34; 0.73 at 200, 0.93 at 300)
     "tiny-cosmos3-digits-sft-short": 50,  # eval reward 0.59 on the ten prompts (0.10 at 25 steps)
     "tiny-ltx2-digits-sft-short": 1000,  # video stream only (the ltx patch group)
-    "tiny-flux-kontext-edit-sft-short": 300,  # the digits edit task (digits-edit:sft)
+    "tiny-flux-kontext-edit-sft-short": 500,  # the digits edit task (digits-edit:sft), cosine over the 500 steps
 }
 BUILTIN_MODELS = (*TINY_BUILDERS, *SFT_TEACHERS)
 

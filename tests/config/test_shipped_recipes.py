@@ -219,3 +219,19 @@ def test_a_recipes_detach_that_another_flag_makes_inapplicable_falls_back_to_ful
     assert warning.endswith("using --diffusion-cfg-uncond-grad full instead")
     with pytest.raises(ConfigError, match=r"^--diffusion-cfg-uncond-grad detach \(cli\): "):
         resolve(None, recipe="tiny-digits-grpo", cli={**cli, "diffusion_cfg_uncond_grad": "detach"})
+
+
+def test_a_recipes_eval_interval_on_saved_rollouts_is_dropped_with_a_warning(tmp_path: Path) -> None:
+    """tiny-flux-kontext-edit-grpo evaluates every 10 rollouts; replaying its saved rollouts (`--train-only
+    --load-debug-rollout-data`) starts no engine: the recipe's interval is dropped with one warning, while the same
+    interval typed on the command line is refused."""
+    saved = {"train_only": True, "load_debug_rollout_data": str(tmp_path / "rollout_{rollout_id}.pt")}
+    assert resolve(None, recipe="tiny-flux-kontext-edit-grpo").args.eval_interval == 10
+    found = resolve(None, recipe="tiny-flux-kontext-edit-grpo", cli=saved)
+    assert found.args.eval_interval is None
+    assert found.warnings == [
+        "--eval-interval 10 (recipe): training on saved rollouts starts no engine to evaluate with; the recipe's "
+        "value is not used"
+    ]
+    with pytest.raises(ConfigError, match=r"^--eval-interval 10 \(cli\): training on saved rollouts .*; remove it$"):
+        resolve(None, recipe="tiny-flux-kontext-edit-grpo", cli={**saved, "eval_interval": 10})

@@ -159,8 +159,8 @@ def check_eval(res: Resolution, job: JobSpec) -> None:
     reason = not_evaluated_reason(res, job.name) if job.trains else None
     if reason is not None:
         if res["eval_interval"] is not None and not trains_on_saved_rollouts(res, job.name):
-            res.fail(f"{res.show('eval_interval')}: nothing is evaluated: {reason}")
-        if res["eval_interval"] is None:
+            res.not_applicable("eval_interval", f"nothing is evaluated: {reason}")
+        elif res["eval_interval"] is None:
             which = "eval_config" if res["eval_config"] is not None else "eval_prompt_data"
             res.warn(f"{res.show(which)} is not evaluated: {reason}")
 
@@ -184,7 +184,7 @@ def _check_debug_dumps(res: Resolution, job: JobSpec) -> None:
     # a job that would start engines trains on saved rollouts instead (`train rl --load-debug-rollout-data`)
     if job.starts_engines and job.trains_on_rollouts and res["load_debug_rollout_data"] is not None:
         if res["eval_interval"] is not None:
-            res.fail(f"{res.show('eval_interval')}: training on saved rollouts starts no engine to evaluate with")
+            res.not_applicable("eval_interval", "training on saved rollouts starts no engine to evaluate with")
         if res["debug_rollout_only"]:
             res.fail(f"{res.show('debug_rollout_only')} and --load-debug-rollout-data exclude each other")
     if res["load_debug_rollout_data"] is not None and not job.trains_on_rollouts:
