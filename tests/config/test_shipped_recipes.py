@@ -175,8 +175,6 @@ def test_eval_data_a_job_cannot_evaluate_is_said(tmp_path: Path) -> None:
     # --debug-rollout-only trains nothing: a warning, and an --eval-interval there is refused
     found = resolve(None, recipe="tiny-digits-grpo", cli={"debug_rollout_only": True})
     assert found.warnings == [
-        "--diffusion-cfg-uncond-grad detach (recipe): --debug-rollout-only on (cli) trains nothing; using "
-        "--diffusion-cfg-uncond-grad full instead",
         "--eval-prompt-data digits=digits:test (recipe) is not evaluated: --debug-rollout-only generates and scores, "
         "and trains nothing",
     ]
@@ -204,21 +202,22 @@ def test_the_grid_checks_apply_to_methods_that_train_sde_steps_only() -> None:
     [
         ({"debug_rollout_only": True}, "--debug-rollout-only on (cli) trains nothing"),
         ({"loss_type": "nft", "use_ema": True}, "--loss-type nft (cli) trains an unguided forward"),
-        ({"diffusion_guidance_scale": 1.0}, "CFG is off in training (--diffusion-guidance-scale 1.0 (cli)"),
+        ({"diffusion_true_cfg_scale": 1.0}, "CFG is off in training (--diffusion-true-cfg-scale 1.0 (cli)"),
     ],
 )
 def test_a_recipes_detach_that_another_flag_makes_inapplicable_falls_back_to_full(cli: dict, why: str) -> None:
-    """tiny-digits-grpo sets --diffusion-cfg-uncond-grad detach (flow_grpo's gradient). A user who changes another
-    flag so that it no longer applies never typed it: the recipe's value falls back to full, said in one warning.
-    The same value typed on the command line is refused (the user's own flag is never ignored)."""
-    assert resolve(None, recipe="tiny-digits-grpo").args.diffusion_cfg_uncond_grad == "detach"
-    found = resolve(None, recipe="tiny-digits-grpo", cli=cli)
+    """tiny-flux-kontext-edit-grpo sets --diffusion-cfg-uncond-grad detach. A user who changes another flag so that
+    it no longer applies never typed it: the recipe's value falls back to full, said in one warning. The same value
+    typed on the command line is refused (the user's own flag is never ignored)."""
+    recipe = "tiny-flux-kontext-edit-grpo"
+    assert resolve(None, recipe=recipe).args.diffusion_cfg_uncond_grad == "detach"
+    found = resolve(None, recipe=recipe, cli=cli)
     assert found.args.diffusion_cfg_uncond_grad == "full"
     [warning] = [w for w in found.warnings if w.startswith("--diffusion-cfg-uncond-grad")]
     assert warning.startswith(f"--diffusion-cfg-uncond-grad detach (recipe): {why}")
     assert warning.endswith("using --diffusion-cfg-uncond-grad full instead")
     with pytest.raises(ConfigError, match=r"^--diffusion-cfg-uncond-grad detach \(cli\): "):
-        resolve(None, recipe="tiny-digits-grpo", cli={**cli, "diffusion_cfg_uncond_grad": "detach"})
+        resolve(None, recipe=recipe, cli={**cli, "diffusion_cfg_uncond_grad": "detach"})
 
 
 def test_a_recipes_eval_interval_on_saved_rollouts_is_dropped_with_a_warning(tmp_path: Path) -> None:
