@@ -145,6 +145,7 @@ def test_digit_edit_through_the_dispatch(tiny_sd3_dir, digit_of, digit_classifie
         asyncio.run(batched_async_rm(args, samples[1:]))
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_an_edits_eval_accuracy_reads_the_reward_crop(digit_of, digit_classifier) -> None:
     """`miles eval`'s digit `accuracy` of an edit reads the digit where `digit_edit` reads it (the crop at the source
     digit's size around the output's ink): every right edit of the 90 pairs counts, every copied source does not.
