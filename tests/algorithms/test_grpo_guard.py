@@ -76,6 +76,7 @@ def test_the_per_step_gradient_weights_of_a6_2(j: int) -> None:
     assert float(w * hat.detach()) == pytest.approx(0.0, abs=1e-6)  # on-policy: no bias, no ratio
 
 
+@pytest.mark.slow  # over a second: not in the fast tier
 def test_the_left_shift_of_a6_3_is_removed() -> None:
     """Monte Carlo: D = 4096, s = 0.1, |dmu| = 0.01: vanilla E[log rho] = -0.005, guarded mean 0 with std
     0.01 / sqrt(4096) = 1.5625e-4 (2,000 draws here; the note used 20,000)."""

@@ -43,6 +43,11 @@ def test_online_dpo_on_tiny_flux(tiny_flux_dir: Path, tmp_path: Path, small_digi
     assert "loss_type: dpo" in config and "ref_mode: frozen" in config
 
 
+# extended (~60 s, a job): the job's preference rows (its encode_train_rows), the step from ln 2 and the moving
+# policy are tests/training/test_dpo_trainer.py::test_offline_dpo_trains_a_step_on_the_digit_preference_set, the
+# frozen reference ::test_online_dpo_trains_a_step_from_ln2_with_shared_noise_and_sigma, and the `train sft` job's
+# loop, eval and export tests/e2e/test_train_jobs.py::test_train_sft_then_eval_of_its_checkpoint
+@pytest.mark.extended
 def test_offline_dpo_train_sft_on_a_preference_set(
     tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
 ) -> None:

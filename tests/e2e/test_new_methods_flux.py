@@ -33,7 +33,14 @@ METHODS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+# mixgrpo-flash is extended (~50 s, a job): its rollout plan (the window, DPM-Solver++ 2M on the compressed schedule,
+# 3 denoiser calls a sample at rollout 0) is tests/rollout/test_manager_sampling_plans.py::
+# test_flash_rollouts_count_fewer_denoiser_calls and tests/rollout/test_engine_sampling_plans.py::
+# test_dpm_solver_after_the_window_and_the_compressed_schedule, and a tiny-flux job training on shared-prefix
+# rollouts is the fast+guard case, in the default suite
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=pytest.mark.extended) if m == "mixgrpo-flash" else m for m in sorted(METHODS)]
+)
 def test_tiny_flux_trains_two_rollouts(
     method: str, tiny_flux_dir: Path, tmp_path: Path, small_digit_eval: list[str]
 ) -> None:

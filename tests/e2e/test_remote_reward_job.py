@@ -4,7 +4,8 @@ local Ray, tiny-sd3, a real HTTP service.
 - The digit reward served remotely gives a 3-rollout run whose metrics equal the in-process run's, to the bit.
 - A service that dies mid-rollout: without --use-fault-tolerance the job ends with one line naming the URL within
   30 s of the death (exit 1); with it, the job waits for the service (restarted on the same port), re-sends the
-  unfinished batches and completes with every sample scored.
+  unfinished batches and completes with every sample scored. (Both `extended`: their parts run in the default
+  suite, named at each test.)
 """
 
 from __future__ import annotations
@@ -118,6 +119,11 @@ def test_a_remote_digit_reward_gives_the_in_process_runs_metrics(
     assert local[0]["rollout/reward/raw_mean"] > 0
 
 
+# extended (~50 s, a service and a job): the client's one line within 30 s of a killed service is
+# tests/rewards/test_reward_service.py::test_killed_service_without_fault_tolerance_fails_within_30_s, the job's
+# dispatch to the service the test above, and a failure inside the job's actors as one line
+# tests/e2e/test_job_failures.py::test_a_trainer_rank_killed_mid_step_ends_the_job_naming_it
+@pytest.mark.extended
 def test_a_dead_service_without_fault_tolerance_ends_the_job_in_one_line(
     tiny_sd3_dir: Path, tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -136,6 +142,12 @@ def test_a_dead_service_without_fault_tolerance_ends_the_job_in_one_line(
     assert time.time() - (time.monotonic() - ended) - died < 30  # the job ended within 30 s of the death
 
 
+# extended (~60 s, a service, its restart and a job): the client's wait and re-sent batches are
+# tests/rewards/test_reward_service.py::test_killed_service_with_fault_tolerance_is_waited_for_and_every_item_scored,
+# the job's --use-fault-tolerance and --rm-fault-wait reaching the dispatch tests/rewards/test_remote_flags.py::
+# test_a_service_that_comes_back_is_waited_for_under_fault_tolerance and
+# ::test_rm_fault_wait_bounds_the_wait_for_a_service_that_is_down
+@pytest.mark.extended
 def test_a_dead_service_with_fault_tolerance_is_waited_for_and_every_sample_scored(
     tiny_sd3_dir: Path, tmp_path: Path, env: dict[str, str], small_digit_eval: list[str]
 ) -> None:

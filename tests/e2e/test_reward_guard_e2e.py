@@ -83,6 +83,11 @@ def test_rollback_ends_at_the_best_gold_and_exports_it(tiny_sd3_dir: Path, gold_
     assert (out / "reward_guard" / "best").is_dir()
 
 
+# extended (~70 s, a second job): the job's loop ending at the guard's trigger and exporting runs in the default suite
+# under `rollback` (the test above); what `stop` does differently there (no best checkpoint saved, nothing restored,
+# the weights it has exported) is tests/runtime/test_reward_guard.py::
+# test_the_runner_under_stop_ends_the_loop_and_keeps_the_weights_it_has
+@pytest.mark.extended
 def test_stop_ends_the_job_and_exports_the_weights_it_has(tiny_sd3_dir: Path, gold_env: Path, capsys) -> None:
     out = gold_env / "stop"
     rows = run(tiny_sd3_dir, out, gold_env, "stop", capsys)

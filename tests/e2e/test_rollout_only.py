@@ -28,4 +28,5 @@ def test_rollout_only_writes_rollouts_grids_and_metrics(diffusers_rollouts) -> N
         assert 0.0 <= row["rollout/reward/raw_mean"] <= 1.0
         assert row["rollout/reward/raw_std"] >= 0.0
         assert row["perf/rollout_time"] > 0
+        assert not any(k.startswith(("train/", "eval/")) for k in row)  # trains nothing, so evaluates nothing
     assert (out / "config.yaml").is_file()

@@ -42,8 +42,8 @@ def test_train_rl_frozen_weights_recompute_matches_the_rollout(
     tiny_sd3_dir: Path, tmp_path: Path, small_digit_eval: list[str]
 ) -> None:
     """The alignment probe (--debug-skip-optimizer-step --diffusion-debug-mode) with --dump-details; then the
-    dumped rollouts trained on with no engine (--train-only --load-debug-rollout-data), and --debug-rollout-only.
-    The eval set is evaluated after the last rollout (no --eval-interval), except where no engine runs."""
+    dumped rollouts trained on with no engine (--train-only --load-debug-rollout-data). The eval set is evaluated
+    after the last rollout (no --eval-interval), except where no engine runs."""
     dump = tmp_path / "dump"
     probe = ("--debug-skip-optimizer-step", "--diffusion-debug-mode", *small_digit_eval)
     *rows, final = _rl(tiny_sd3_dir, tmp_path / "frozen", "--num-rollout", "2", *probe, "--dump-details", str(dump))
@@ -75,6 +75,15 @@ def test_train_rl_frozen_weights_recompute_matches_the_rollout(
     for row, original in zip(replayed, rows, strict=True):
         assert row["train/log_prob_mean_abs_diff"] == pytest.approx(original["train/log_prob_mean_abs_diff"], abs=1e-9)
         assert row["train/model_output_mean_abs_diff"] == 0.0 and "rollout/reward/raw_mean" not in row
+
+
+# extended (~20 s, a job): `train rl --debug-rollout-only` hands the job to the rollout-only driver
+# (miles/runtime/train_rl.py), the driver of `miles rollout-only`, whose run the default suite checks in
+# tests/e2e/test_rollout_only.py::test_rollout_only_writes_rollouts_grids_and_metrics (rollout files, reward
+# metrics, no train/ metric, no eval row); the flag the command forces: tests/config/test_rules.py::
+# test_rollout_only_forces_debug_rollout_only
+@pytest.mark.extended
+def test_train_rl_debug_rollout_only_trains_and_evaluates_nothing(tiny_sd3_dir: Path, tmp_path: Path) -> None:
     only = _rl(tiny_sd3_dir, tmp_path / "rollout-only", "--num-rollout", "1", "--debug-rollout-only")
     assert len(only) == 1  # trains nothing, so evaluates nothing (the config rules warn that the eval set is unused)
     assert (tmp_path / "rollout-only" / "rollout_0.pt").is_file()

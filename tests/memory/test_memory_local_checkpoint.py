@@ -33,6 +33,7 @@ def _signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torc
     return [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()]
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_a_local_checkpoint_is_measured_once_and_cached(tiny_sd3_dir: Path, miles_home: Path, monkeypatch) -> None:
     family = get_family("sd3")
     assert config_dir_for(tiny_sd3_dir, family) == tiny_sd3_dir
@@ -51,6 +52,7 @@ def test_a_local_checkpoint_is_measured_once_and_cached(tiny_sd3_dir: Path, mile
     assert cache.model_counts(tiny_sd3_dir, family, ("transformer",), targets).to_json() == counts.to_json()
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_counts_equal_the_real_pipeline_load(tiny_sd3_dir: Path, miles_home: Path, dtype: str) -> None:
     """Every component's bytes per dtype as `StableDiffusion3Pipeline.from_pretrained(dtype=...)` loads them (at fp16
@@ -66,6 +68,7 @@ def test_counts_equal_the_real_pipeline_load(tiny_sd3_dir: Path, miles_home: Pat
         assert "float32" in counts.components["text_encoder_3"].bytes_by_dtype("fp16")
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 @pytest.mark.parametrize("master", ["fp32", "bf16"])
 def test_the_meta_denoiser_is_the_trainers(tiny_sd3_dir: Path, master: str) -> None:
     """`build_denoiser` on meta == `load_denoiser` + `apply_lora` for real: the same names, shapes, dtypes and
@@ -83,6 +86,7 @@ def test_the_meta_denoiser_is_the_trainers(tiny_sd3_dir: Path, master: str) -> N
     assert all(p.device.type == "meta" for p in meta.parameters())
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_a_builtin_name_is_its_built_directory(tiny_sd3_dir: Path) -> None:
     assert config_dir_for("tiny-sd3", get_family("sd3")) == tiny_sd3_dir
 
@@ -119,6 +123,7 @@ def test_fp32_pins_follow_diffusers_keep_in_fp32(tmp_path: Path) -> None:
             assert torch.float32 in set(real_dtypes.values())
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_static_memory_of_a_local_recipe(tiny_sd3_dir: Path, miles_home: Path) -> None:
     """The tiny recipe on the built tiny-sd3 runs the same estimate; its trainer and engine bytes are the real
     loaded modules' (2 ranks: each holds half of every parameter's rows)."""

@@ -132,6 +132,7 @@ def test_layout_and_metadata(fast_flux_build, fast_flux_dir):
     assert not list(fast_flux_dir.parent.glob(".tiny-flux.tmp-*"))
 
 
+@pytest.mark.slow  # the module's tiny-flux build (10 VAE steps, ~20 s): not in the fast tier
 def test_component_configs(fast_flux_pipeline):
     pipe = fast_flux_pipeline
     assert type(pipe.text_encoder).__name__ == "CLIPTextModel"
@@ -154,6 +155,7 @@ def test_component_configs(fast_flux_pipeline):
     assert len(t5_ids) <= 8 and t5_ids[-1] == pipe.tokenizer_2.eos_token_id
 
 
+@pytest.mark.slow  # the module's tiny-flux build (10 VAE steps, ~20 s): not in the fast tier
 def test_encode_prompt_shapes(fast_flux_pipeline):
     import torch
 
@@ -166,6 +168,7 @@ def test_encode_prompt_shapes(fast_flux_pipeline):
     assert text_ids.shape == (8, 3)
 
 
+@pytest.mark.slow  # the module's tiny-flux build (10 VAE steps, ~20 s): not in the fast tier
 def test_pipeline_generates(fast_flux_pipeline):
     import torch
 
@@ -183,6 +186,7 @@ def test_pipeline_generates(fast_flux_pipeline):
     assert np.isfinite(out.images).all()
 
 
+@pytest.mark.slow  # the module's tiny-flux build (10 VAE steps, ~20 s): not in the fast tier
 def test_components_are_the_seeded_inits(fast_flux_dir):
     from safetensors.torch import load_file
 

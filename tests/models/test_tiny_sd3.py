@@ -15,6 +15,7 @@ COMPONENTS = ("transformer", "vae", "scheduler", "text_encoder", "text_encoder_2
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_layout_and_metadata(tiny_sd3_dir):
     for sub in (*COMPONENTS, *TOKENIZERS, "digit_classifier"):
         assert (tiny_sd3_dir / sub).is_dir(), sub
@@ -31,6 +32,7 @@ def test_layout_and_metadata(tiny_sd3_dir):
     assert not list(tiny_sd3_dir.parent.glob(".tiny-sd3.tmp-*"))
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_sglang_native_constraints(tiny_sd3_pipeline):
     pipe = tiny_sd3_pipeline
     for te in (pipe.text_encoder, pipe.text_encoder_2):
@@ -44,6 +46,7 @@ def test_sglang_native_constraints(tiny_sd3_pipeline):
     )
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_tokenizers_are_offline_and_short(tiny_sd3_pipeline):
     pipe = tiny_sd3_pipeline
     ids = pipe.tokenizer("a handwritten digit 7").input_ids
@@ -54,6 +57,7 @@ def test_tokenizers_are_offline_and_short(tiny_sd3_pipeline):
     assert pipe.tokenizer.unk_token_id not in pipe.tokenizer("Zebra xylophone 42!").input_ids[1:-1]
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_pipeline_loads_and_generates(tiny_sd3_dir, monkeypatch):
     import torch
     from diffusers import StableDiffusion3Pipeline
@@ -76,6 +80,7 @@ def test_pipeline_loads_and_generates(tiny_sd3_dir, monkeypatch):
     assert float(images.flatten(1).std(dim=1).min()) > 0.02  # no single blank image
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_vae_reconstructs_digits(tiny_sd3_pipeline, digits_split, digit_classifier):
     import torch
 
@@ -93,6 +98,7 @@ def test_vae_reconstructs_digits(tiny_sd3_pipeline, digits_split, digit_classifi
     assert digit_accuracy(recon.clamp(-1, 1), digits_split.test_y[:96], digit_classifier) >= 0.95
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_sd3_lora_targets_attach(tiny_sd3_pipeline):
     import copy
 
@@ -128,6 +134,7 @@ def test_family_classes_resolve_lazily():
     assert family.load_transformer_class() is SD3Transformer2DModel
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_forward_velocity(tiny_sd3_pipeline):
     import torch
 
@@ -145,6 +152,7 @@ def test_forward_velocity(tiny_sd3_pipeline):
     assert v.shape == latents.shape and ehs.shape == (1, 77 + 8, 64)
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_ensure_checkpoint_passthrough(tiny_sd3_dir, tmp_path):
     assert ensure_checkpoint("tiny-sd3") == tiny_sd3_dir
     assert (
@@ -194,6 +202,7 @@ def test_ensure_checkpoint_rejects_a_partial_dir(miles_home):
         ensure_checkpoint("tiny-sd3")
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_models_cli(tiny_sd3_dir, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
@@ -221,6 +230,7 @@ def test_models_cli(tiny_sd3_dir, tmp_path, monkeypatch):
     assert (tmp_path / "new" / METADATA_FILE).is_file()
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_classifier_accuracy_recomputed(tiny_sd3_dir, digit_classifier, digits_split):
     from miles.rewards.scorers.digit import digits_to_features, read_classifier_metadata
 

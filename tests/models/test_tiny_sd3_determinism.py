@@ -50,6 +50,7 @@ def test_component_inits_are_seeded():
     assert _state_hash(C.make_t5_encoder(0, tok)) == _state_hash(C.make_t5_encoder(0, tok))
 
 
+@pytest.mark.slow  # over a second: not in the fast tier
 def test_vae_fit_is_deterministic(digits_split):
     from miles.builtin.tiny import components as C
     from miles.builtin.tiny.vae_fit import digits_to_vae_input, fit_vae
@@ -63,6 +64,7 @@ def test_vae_fit_is_deterministic(digits_split):
     assert hashes[0] == hashes[1] and losses[0] == losses[1]
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_built_transformer_is_the_seeded_init(tiny_sd3_dir):
     from safetensors.torch import load_file
 

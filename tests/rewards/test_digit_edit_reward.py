@@ -34,6 +34,7 @@ def digit_of(digits_split):
     return {d: x8[int(np.nonzero(y == d)[0][0])] for d in range(10)}
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_the_four_edits_of_a_three_into_a_five(digit_of, digit_classifier) -> None:
     """(a) the source itself: kept perfectly, but the classifier reads a 3: low; (b) a 5 drawn in its place: high;
     (c) the same 5 moved to a corner: still a 5, its place lost: low; (d) a wrong digit in the right place: low."""
@@ -56,6 +57,7 @@ def test_the_four_edits_of_a_three_into_a_five(digit_of, digit_classifier) -> No
         assert 0.0 <= t.reward <= 1.0 and t.reward == pytest.approx(t.p_label * t.place * t.size)
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_every_pair_of_digits_ranks_the_right_edit_first(digit_of, digit_classifier) -> None:
     """Over all 90 ordered pairs (a, b): the right edit beats the source, the moved digit and a wrong digit."""
     rewards = {"same": [], "right": [], "corner": [], "wrong": []}
@@ -75,6 +77,7 @@ def test_every_pair_of_digits_ranks_the_right_edit_first(digit_of, digit_classif
         assert max(rewards[other]) < ceiling, other
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_the_terms_read_place_size_and_resolution(digit_of, digit_classifier) -> None:
     g = gray(canvas(digit_of[0], *PLACE))
     row, col = ink_centre(g)
@@ -99,6 +102,7 @@ def good_reward(digit_of, classifier) -> float:
     return edit_terms([canvas(digit_of[5], *PLACE)], [source], [5], classifier)[0].reward
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_the_crop_follows_the_source_digit_size(digit_of, digit_classifier) -> None:
     """A 48-px digit on the 64-px canvas: the classifier reads a crop of the source's size (half the frame would
     cut the digit), and sigma grows with it (a quarter of the source's side)."""
@@ -110,6 +114,7 @@ def test_the_crop_follows_the_source_digit_size(digit_of, digit_classifier) -> N
     assert 0.15 < shifted.offset < 0.4 and 0.3 < shifted.place < 0.8 and shifted.reward < 0.8 * good.reward
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_digit_edit_through_the_dispatch(tiny_sd3_dir, digit_of, digit_classifier) -> None:
     """`--rm-type digit_edit`: the classifier of --hf-checkpoint, metadata.label the target, the sample's first
     condition image the source (a second one is not read); a video sample is refused in one line."""
@@ -140,6 +145,7 @@ def test_digit_edit_through_the_dispatch(tiny_sd3_dir, digit_of, digit_classifie
         asyncio.run(batched_async_rm(args, samples[1:]))
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_an_edits_eval_accuracy_reads_the_reward_crop(digit_of, digit_classifier) -> None:
     """`miles eval`'s digit `accuracy` of an edit reads the digit where `digit_edit` reads it (the crop at the source
     digit's size around the output's ink): every right edit of the 90 pairs counts, every copied source does not.

@@ -15,6 +15,7 @@ def real(digits_split):
     return digits_to_rgb_uint8(digits_split.test_x), digits_split.test_y
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_classifier_is_stored_and_accurate(tiny_sd3_dir, digit_classifier, real):
     from miles.rewards.scorers.digit import read_classifier_metadata
 
@@ -27,6 +28,7 @@ def test_classifier_is_stored_and_accurate(tiny_sd3_dir, digit_classifier, real)
     assert load_digit_classifier() is digit_classifier  # default: the session's tiny-sd3
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_reward_right_vs_wrong_label(digit_classifier, real):
     images, labels = real
     right = np.array(digit_reward(images, labels, digit_classifier))
@@ -36,6 +38,7 @@ def test_reward_right_vs_wrong_label(digit_classifier, real):
     assert wrong.mean() < 0.05
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_reward_accepts_every_image_format(digit_classifier, digits_split):
     import torch
     from PIL import Image
@@ -80,6 +83,7 @@ def test_images_to_digits_ranges():
         images_to_digits(img, value_range="0-255")
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_frechet_distance(digit_classifier, real):
     images, _ = real
     rng = np.random.default_rng(0)
@@ -96,6 +100,7 @@ def test_frechet_distance(digit_classifier, real):
         frechet_distance(half_a, half_b[:, :5])
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_generated_images_can_be_scored(tiny_sd3_pipeline, digit_classifier):
     import torch
 

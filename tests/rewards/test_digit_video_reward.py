@@ -69,6 +69,7 @@ def test_video_reward_right_vs_wrong_label(video_classifier, rendered):
         digit_reward(batch, [1, 2, 3], video_classifier)
 
 
+@pytest.mark.slow  # the module's video classifier fit (~6 s): not in the fast tier
 def test_mixed_images_and_videos_keep_their_order(video_classifier, rendered, digits_split):
     from miles.data.digits import digits_to_rgb_uint8
 
@@ -122,6 +123,7 @@ def test_per_frame_accuracy_fd_and_direction(video_classifier, rendered):
     assert set(plain) == {"accuracy"}
 
 
+@pytest.mark.slow  # the module's video classifier fit (~6 s): not in the fast tier
 def test_eval_metrics_of_video_samples(tmp_path, video_classifier, rendered):
     from miles.models.digit_classifier import CLASSIFIER_DIRNAME, save_digit_classifier
     from miles.rollout.evaluation import eval_metrics
@@ -145,6 +147,7 @@ def _args(**overrides) -> Args:
     return schema_args(**overrides)
 
 
+@pytest.mark.slow  # the module's video classifier fit (~6 s): not in the fast tier
 def test_dispatch_scores_video_samples_with_the_digit_reward(tmp_path, video_classifier, rendered):
     from miles.models.digit_classifier import CLASSIFIER_DIRNAME, save_digit_classifier
 

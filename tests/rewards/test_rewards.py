@@ -194,6 +194,7 @@ def test_pickscore_video_averages_sampled_frames(tiny_clip):
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
+@pytest.mark.slow  # over a second: not in the fast tier
 def test_dispatch_mixed_types_batches_each_type_once(tiny_clip, digit_ckpt, digit_images, monkeypatch):
     from miles.rewards.scorers.digit import digit_reward, load_digit_classifier
     from miles.rewards.scorers.pickscore import pickscore_reward

@@ -187,6 +187,7 @@ def test_subsample() -> None:
         subsample_rollout(rows, 1.5)
 
 
+@pytest.mark.slow  # the session's tiny-sd3 build (a minute or two cold): not in the fast tier
 def test_engine_samples_own_their_tensors(tiny_sd3_dir) -> None:
     """Each sample's latents and image have their own storage (not views of the microgroup's batch), so a
     rollout file or a Ray hand-off carries one sample's bytes per sample, not the batch's."""

@@ -78,6 +78,7 @@ def _registry(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "logs" / "actors.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_an_exception_names_the_actor_its_last_line_and_its_log(local_ray, tmp_path: Path) -> None:
     actor = _start(local_ray, tmp_path, 0)
     pid = local_ray.get(actor.pid.remote())
@@ -96,6 +97,7 @@ def test_an_exception_names_the_actor_its_last_line_and_its_log(local_ray, tmp_p
     assert errors[-1]["where"] == "Worker.boom" and errors[-1]["type"] == "builtins.ZeroDivisionError"
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_a_user_mistake_inside_an_actor_is_the_same_one_line(local_ray, tmp_path: Path) -> None:
     actor = _start(local_ray, tmp_path, 1)
     with pytest.raises(Exception) as caught:
@@ -105,6 +107,7 @@ def test_a_user_mistake_inside_an_actor_is_the_same_one_line(local_ray, tmp_path
     assert (failure.code, failure.line) == (2, "--prompt-data p.jsonl:2: 'input' must be a string, got int")
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_a_constructor_mistake_keeps_its_class_and_message(local_ray, tmp_path: Path) -> None:
     actor = _start(local_ray, tmp_path, 2, "config")
     with pytest.raises(Exception) as caught:
@@ -114,6 +117,7 @@ def test_a_constructor_mistake_keeps_its_class_and_message(local_ray, tmp_path: 
     assert (failure.code, failure.line) == (2, "bad.jsonl:3: malformed JSON (Expecting value at column 1)")
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_a_constructor_error_names_the_actor(local_ray, tmp_path: Path) -> None:
     actor = _start(local_ray, tmp_path, 3, "value")
     with pytest.raises(Exception) as caught:
@@ -124,6 +128,7 @@ def test_a_constructor_error_names_the_actor(local_ray, tmp_path: Path) -> None:
     assert failure.line.endswith(f"full log: {tmp_path / 'logs' / 'worker-3.log'}")
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_a_killed_actor_is_named_at_once_while_another_call_still_runs(local_ray, tmp_path: Path) -> None:
     slow, victim = _start(local_ray, tmp_path, 4), _start(local_ray, tmp_path, 5)
     victim_pid = local_ray.get(victim.pid.remote())
@@ -143,6 +148,7 @@ def test_a_killed_actor_is_named_at_once_while_another_call_still_runs(local_ray
     assert failure.line.endswith(f"full log: {tmp_path / 'logs' / 'worker-5.log'}")
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_a_hook_past_its_deadline_ends_the_actor_and_names_the_hook(local_ray, tmp_path: Path) -> None:
     actor = _start(local_ray, tmp_path, 6, hook_timeout=1.0)
     local_ray.get(actor.pid.remote())
@@ -157,6 +163,7 @@ def test_a_hook_past_its_deadline_ends_the_actor_and_names_the_hook(local_ray, t
     assert "hook_that_hangs" in (tmp_path / "logs" / "worker-6.log").read_text()  # its stack, for the user
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_an_async_method_failure_is_recorded(local_ray, tmp_path: Path) -> None:
     actor = _start(local_ray, tmp_path, 7)
     with pytest.raises(Exception) as caught:
@@ -165,6 +172,7 @@ def test_an_async_method_failure_is_recorded(local_ray, tmp_path: Path) -> None:
     assert failure is not None and "failed: RuntimeError: async failure" in failure.line
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_only_the_users_lines_are_forwarded(local_ray, tmp_path: Path, capsys) -> None:
     """What an actor prints goes to its log; `miles: ` lines also to the stream Ray forwards to the driver,
     whose printer shows only those and writes everything to driver.log."""
@@ -192,6 +200,7 @@ def test_only_the_users_lines_are_forwarded(local_ray, tmp_path: Path, capsys) -
     ]
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_verbose_keeps_the_actors_output_on_rays_streams(local_ray, tmp_path: Path) -> None:
     """--verbose: the actor's output stays on the streams Ray forwards (all of it reaches the terminal); the log
     holds only miles' own lines (start, failures)."""

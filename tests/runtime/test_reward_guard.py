@@ -1,7 +1,10 @@
-"""The reward-hacking guard's decisions, the diversity it watches and its config rules (fast; the guard acting
-inside a real job is tests/e2e/test_reward_guard_e2e.py)."""
+"""The reward-hacking guard's decisions, the diversity it watches, its runner in the job's loop (a recording trainer
+group) and its config rules (fast; the guard acting inside a real job is tests/e2e/test_reward_guard_e2e.py)."""
 
 from __future__ import annotations
+
+import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch
 from miles.config.resolve import resolve
 from miles.core.errors import ConfigError
 from miles.rollout.diversity import group_diversity, intra_group_diversity, pooled
-from miles.runtime.reward_guard import RewardGuard, gold_of, ratio_bias_of
+from miles.runtime.reward_guard import BEST_DIR, BEST_STEP, GuardRunner, RewardGuard, gold_of, ratio_bias_of
 
 
 def evals(guard: RewardGuard, golds: list[float]) -> list[tuple[bool, str]]:
@@ -103,6 +106,60 @@ def test_intra_group_diversity_averages_the_groups() -> None:
     groups = [[_S(black), _S(white)], [_S(black), _S(black)], [_S(white)]]
     assert intra_group_diversity(groups) == pytest.approx(0.5)  # 1 and 0; a single sample has none
     assert intra_group_diversity([[_S(black)]]) is None
+
+
+# ---- the runner inside the job's loop ---------------------------------------------------------
+
+
+class _Group:
+    """A trainer group that records what the runner asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def call(self, method: str, *args) -> None:
+        self.calls.append((method, *args))
+        if method == "save_checkpoint":
+            Path(args[0]).mkdir(parents=True, exist_ok=True)
+
+
+def _run_evals(policy: str, out: Path) -> tuple[_Group, list[bool], list[str]]:
+    """The e2e script (tests/e2e/test_reward_guard_e2e.py): gold 0.9, 0.5, 0.4 at rollouts 0-2, patience 2."""
+    runner = GuardRunner(RewardGuard(policy, patience=2, tolerance=0.0, min_diversity=None), out)
+    group, synced, ended = _Group(), [], []
+    for rollout_id, gold in enumerate([0.9, 0.5, 0.4]):
+        runner.after_eval(rollout_id, {"eval/digits/gold_reward_mean": gold}, group, contextlib.nullcontext)
+        ended.append(runner.ended)
+    runner.restore_best(group, lambda: synced.append("sync"), contextlib.nullcontext)
+    return group, ended, synced
+
+
+def test_the_runner_under_stop_ends_the_loop_and_keeps_the_weights_it_has(tmp_path: Path, capsys) -> None:
+    """`stop` in the job's loop: the line, the loop ends at the trigger, no best checkpoint is saved and nothing is
+    restored before the export (the job run under `stop` is an `extended` test of
+    tests/e2e/test_reward_guard_e2e.py; the loop ending and exporting under the guard runs there under
+    `rollback` in the default suite)."""
+    group, ended, synced = _run_evals("stop", tmp_path)
+    said = capsys.readouterr().out
+    assert ended == [False, False, True]
+    assert "miles: warning: reward guard (stop): the gold reward fell to 0.4000 from its best 0.9000" in said
+    assert "the job ends here" in said and "restored" not in said
+    assert group.calls == [] and synced == []  # the weights it has: no best saved, none loaded, no sync
+    assert not (tmp_path / "reward_guard").exists()
+
+
+def test_the_runner_under_rollback_saves_each_best_and_restores_it(tmp_path: Path, capsys) -> None:
+    """The contrast of the test above, on the same script: rollback saves the best (rollout 0's start point) and
+    loads it back, then syncs the engines."""
+    group, ended, synced = _run_evals("rollback", tmp_path)
+    assert ended == [False, False, True]
+    best = str(tmp_path / BEST_DIR)
+    assert group.calls == [
+        ("save_checkpoint", best, BEST_STEP, {"rollout_id": -1}),
+        ("load_checkpoint", best, BEST_STEP),
+    ]
+    assert synced == ["sync"]
+    assert "restored the weights of the best gold reward 0.9000 (evaluated at rollout 0)" in capsys.readouterr().out
 
 
 # ---- rules --------------------------------------------------------------------------------------

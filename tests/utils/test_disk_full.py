@@ -120,6 +120,7 @@ def test_the_failure_line_of_a_driver_write_needs_no_disk(
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
 def test_a_write_in_an_actor_that_runs_out_of_space_is_one_line(small_disk: Path, local_ray) -> None:
     from miles.runtime.failures import explain
 
