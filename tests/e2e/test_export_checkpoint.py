@@ -1,4 +1,5 @@
-"""`miles export CHECKPOINT_DIR` reproduces the trainer's evaluation samples with plain diffusers (sd3 and wan2_2).
+"""`miles export CHECKPOINT_DIR` reproduces the trainer's evaluation samples with plain diffusers (sd3, wan2_2 and
+the flux_kontext edit pipeline).
 
 Per family: a real rollout and one LoRA training step (the rollout manager and the trainer in this process, as the
 family tests run them), a checkpoint saved by the trainer into a `--save` folder whose `config.yaml` the job's own
@@ -7,7 +8,9 @@ job's evaluation request (`build_requests(..., evaluation=True)`: ODE, the eval 
 checkpoint into the adapter, the merged pipeline and the ComfyUI file, and a fresh process that imports only
 diffusers and torch loads each (`from_pretrained`, `load_lora_weights`; for Wan2.2 the ComfyUI files too, through
 diffusers' reader of the original Wan LoRA names) and renders the same prompt and seeds: each matches the engine's
-samples to 1e-5. Wan2.2 renders with the Euler scheduler the rollouts use (the hub ships UniPC).
+samples to 1e-5. Wan2.2 renders with the Euler scheduler the rollouts use (the hub ships UniPC). FLUX.1 Kontext
+renders the edit of the eval row's source image (`FluxKontextPipeline`, the source at its own size: `max_area` and
+`_auto_resize=False`), with the recipe's embedded guidance and true CFG.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ STEP |= {"actor_num_gpus_per_node": 1, "num_gpus_per_node": 1}
 CASES = {
     "sd3": ("tiny-digits-grpo", "tiny_sd3_dir", {}),
     "wan2_2": ("tiny-wan2_2-digits-grpo", "tiny_wan2_2_dir", {"diffusion_output_num_frames": 9}),
+    "flux_kontext": ("tiny-flux-kontext-edit-grpo", "tiny_flux_kontext_dir", {}),
 }
 
 RENDER = r"""
@@ -46,6 +50,16 @@ def render(pipe):
     generators = [torch.Generator().manual_seed(s) for s in spec["seeds"]]
     if family == "sd3":
         return pipe(**common, num_images_per_prompt=len(spec["seeds"]), generator=generators, output_type="pt").images
+    if family == "flux_kontext":
+        from PIL import Image
+        with Image.open(spec["media"][0]) as image:
+            source = image.convert("RGB")
+        area = spec["height"] * spec["width"]  # the source at its own size, as the engine encodes it
+        # true CFG needs a negative prompt in diffusers; with none set, the flux families encode " "
+        negative = " " if spec["negative_prompt"] is None else spec["negative_prompt"]
+        kontext = dict(image=source, true_cfg_scale=spec["true_cfg_scale"], max_area=area, _auto_resize=False)
+        return pipe(**{**common, "negative_prompt": negative}, **kontext, num_images_per_prompt=len(spec["seeds"]),
+                    generator=generators, output_type="pt").images
     from diffusers import FlowMatchEulerDiscreteScheduler
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=pipe.scheduler.config.flow_shift)
     frames = spec["num_frames"] - 1 if pipe.vae_scale_factor_temporal == 1 else spec["num_frames"]
@@ -55,10 +69,12 @@ def render(pipe):
 
 if family == "sd3":
     from diffusers import StableDiffusion3Pipeline as Pipeline
+elif family == "flux_kontext":
+    from diffusers import FluxKontextPipeline as Pipeline
 else:
     from diffusers import WanPipeline as Pipeline
 adapter = Pipeline.from_pretrained(base)
-if family == "sd3":
+if family in ("sd3", "flux_kontext"):
     adapter.load_lora_weights(f"{export}/lora")
 else:  # one adapter per trained expert, diffusers' Wan convention
     adapter.load_lora_weights(f"{export}/lora/transformer")
@@ -129,6 +145,8 @@ def test_an_exported_checkpoint_reproduces_the_trainers_eval_samples(
         "num_steps": eval_request.num_steps,
         "guidance_scale": eval_request.guidance_scale,
         "guidance_scale_2": eval_request.guidance_scale_2,
+        "true_cfg_scale": eval_request.true_cfg_scale,
+        "media": list(eval_request.media),
         "height": eval_request.height,
         "width": eval_request.width,
         "num_frames": eval_request.num_frames,
