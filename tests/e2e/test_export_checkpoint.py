@@ -99,7 +99,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("family", list(CASES))
+# flux_kontext is `extended`: its parts run in the default suite (the engine equals FluxKontextPipeline at noise 0 in
+# tests/models/test_flux_kontext.py; the export and the fresh-process render in the sd3 and wan2_2 cases)
+FAMILIES = [pytest.param(f, marks=pytest.mark.extended) if f == "flux_kontext" else f for f in CASES]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_an_exported_checkpoint_reproduces_the_trainers_eval_samples(
     family: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
