@@ -88,8 +88,10 @@ class Resolution:
         if self.sources[dest] != RECIPE:
             self.fail(f"{self.show(dest)}: {reason}; {advice}")
         flag = FLAGS_BY_DEST[dest]
-        fallback = "the recipe's value is not used" if flag.default is None else f"using {_option(dest)} "
-        fallback += "" if flag.default is None else f"{flag.format(flag.default)} instead"
+        if flag.default is None:
+            fallback = "the recipe's value is not used"
+        else:
+            fallback = f"using {_option(dest)} {flag.format(flag.default)} instead"
         self.warn(f"{self.show(dest)}: {reason}; {fallback}")
         self.derive(dest, copy.deepcopy(flag.default))
 
