@@ -206,9 +206,38 @@ def explain(exc: BaseException, log_dir: str | Path | None) -> Failure | None:
     if _is_a(type_name, ONE_LINE_ERRORS):  # the message names what failed; the logs of every actor are beside
         return Failure(1, f"{message} (logs: {log_dir})" if log_dir else message)
     if found.died and (last is None or last.get("type") is None):
-        return Failure(1, f"{who} {message}{log}")
+        words = _last_words(start.get("log")) if last is None and start else None
+        return Failure(1, f"{who} {message}{f'; its log ends with: {words}' if words else ''}{log}")
     short = (type_name or "error").rsplit(".", 1)[-1]
     return Failure(1, f"{who} failed: {short}: {message}{log}")
+
+
+# what a process that ended abruptly leaves at the end of its log, the most telling first
+_LAST_WORDS = (
+    re.compile(r"^Fatal Python error: (.+)$", re.MULTILINE),  # faulthandler: a signal or an abort in C
+    re.compile(r"^terminate called after throwing an instance of (.+)$", re.MULTILINE),  # C++
+    re.compile(r"^\s*what\(\):\s*(.+)$", re.MULTILINE),
+)
+
+
+def _last_words(log: str | None, size: int = 65536) -> str | None:
+    """What the log of an actor that died says of the crash (faulthandler's fatal error, a C++ exception's
+    type and what()), in one line; None when its end says nothing of it."""
+    if not log:
+        return None
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(0, 2)
+            handle.seek(max(0, handle.tell() - size))
+            tail = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    found = []
+    for pattern in _LAST_WORDS:
+        matches = pattern.findall(tail)
+        if matches:
+            found.append(matches[-1].strip()[:300])
+    return "; ".join(found) or None
 
 
 def _who(start: dict[str, Any] | None, found: _Found) -> str:

@@ -141,7 +141,7 @@ def start_actor(tag: ActorTag) -> None:
     if tag.host_timeout:
         from miles.utils import lifeline
 
-        lifeline.start(tag.host_timeout, tag.name)
+        lifeline.start(tag.host_timeout, tag.name, on_exit=_cut_off)
 
 
 def _log_warnings_to_both() -> None:
@@ -167,6 +167,12 @@ def _expire(message: str) -> None:
         kind = "miles.utils.deadline.HookTimeout"
         _register(tag, {"event": "error", "where": "hook", "type": kind, "message": message})
     os._exit(1)
+
+
+def _cut_off(reason: str) -> None:
+    """The lifeline's last words: the driver's line reads '<actor> exited: <reason>'."""
+    if _CURRENT is not None:
+        _register(_CURRENT, {"event": "error", "where": "lifeline", "type": None, "message": f"exited: {reason}"})
 
 
 def _register(tag: ActorTag, record: dict[str, Any]) -> None:

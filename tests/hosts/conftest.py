@@ -83,7 +83,21 @@ def finish(proc: subprocess.Popen[str], timeout: float = 600) -> tuple[int, str]
 
 
 def run_on_cluster(hosts: NetnsCluster, cwd: Path, argv: list[str], timeout: float = 600) -> tuple[int, str]:
-    return finish(hosts.driver(argv, cwd), timeout)
+    """The job's exit code and output; a failed job's output ends with what a reader of CI's log needs to tell
+    why (the last lines of each actor's log, the machine's memory), its error line last."""
+    rc, text = finish(hosts.driver(argv, cwd), timeout)
+    return rc, (text if rc == 0 else text + diagnosis(cwd, text))
+
+
+def diagnosis(cwd: Path, text: str, lines: int = 4) -> str:
+    parts = ["", "--- diagnosis (tests/hosts/conftest.py) ---"]
+    for log in sorted(cwd.rglob("logs/*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts += [f"{log.relative_to(cwd)}:", *(f"  {line[:200]}" for line in tail)]
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    parts += [line for line in meminfo if line.startswith(("MemTotal", "MemAvailable"))]
+    parts += [line for line in text.splitlines() if line.startswith("miles: error:")]
+    return "\n".join(parts)
 
 
 def run_one_host(cwd: Path, argv: list[str], timeout: float = 600) -> tuple[int, str]:

@@ -43,6 +43,17 @@ def _worker_class() -> type:
         def user_mistake(self) -> None:
             raise ConfigError("--prompt-data p.jsonl:2: 'input' must be a string, got int")
 
+        def crash(self) -> None:
+            import ctypes
+
+            ctypes.string_at(0)  # a segmentation fault: faulthandler writes its fatal error to the log
+
+        def cut_off(self) -> None:
+            from miles.utils import actors
+
+            actors._cut_off("the Ray head 10.9.9.9:6379 has been unreachable for 8 s (--host-timeout)")
+            os._exit(1)  # what the lifeline does after its last words
+
         def sleep(self, seconds: float) -> None:
             time.sleep(seconds)
 
@@ -146,6 +157,32 @@ def test_a_killed_actor_is_named_at_once_while_another_call_still_runs(local_ray
         failure.line
     )
     assert failure.line.endswith(f"full log: {tmp_path / 'logs' / 'worker-5.log'}")
+
+
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
+def test_a_crash_in_c_is_named_with_what_its_log_ends_with(local_ray, tmp_path: Path) -> None:
+    actor = _start(local_ray, tmp_path, 9)
+    pid = local_ray.get(actor.pid.remote())
+    with pytest.raises(Exception) as caught:
+        local_ray.get(actor.crash.remote(), timeout=60)
+    failure = explain(caught.value, tmp_path / "logs")
+    assert failure is not None and failure.code == 1
+    assert f"worker 9 on node {_registry(tmp_path)[0]['node']} (pid {pid}) died: its process ended" in failure.line
+    assert "; its log ends with: Segmentation fault; full log: " in failure.line
+
+
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
+def test_an_actor_cut_off_from_the_head_is_named_with_its_lifelines_reason(local_ray, tmp_path: Path) -> None:
+    actor = _start(local_ray, tmp_path, 10)
+    pid = local_ray.get(actor.pid.remote())
+    with pytest.raises(Exception) as caught:
+        local_ray.get(actor.cut_off.remote(), timeout=60)
+    failure = explain(caught.value, tmp_path / "logs")
+    assert failure is not None and failure.code == 1
+    assert failure.line == (
+        f"worker 10 on node {_registry(tmp_path)[0]['node']} (pid {pid}) exited: the Ray head 10.9.9.9:6379 has "
+        f"been unreachable for 8 s (--host-timeout); full log: {tmp_path / 'logs' / 'worker-10.log'}"
+    )
 
 
 @pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier

@@ -120,7 +120,7 @@ from miles.utils import lifeline
 server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen()
 port = server.getsockname()[1]
 lifeline.head_address = lambda: ("127.0.0.1", port)
-lifeline.start(2.0, "test actor", interval=0.2)
+lifeline.start(2.0, "test actor", interval=0.2, on_exit=lambda reason: print("last words:", reason, flush=True))
 time.sleep(1.0)
 server.close()  # the head is gone
 start = time.monotonic()
@@ -133,4 +133,22 @@ print("still alive", flush=True)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "has been unreachable for 2 s (--host-timeout)" in done.stderr
     assert "still alive" not in done.stdout
+    assert "last words: the Ray head 127.0.0.1:" in done.stdout
     assert took < 15
+
+
+def test_a_lifeline_needs_failed_probes_in_a_row_not_only_a_long_gap() -> None:
+    from miles.utils.lifeline import Watch
+
+    watch = Watch(timeout=8.0, now=0.0)
+    assert not watch.observe(True, 1.0)
+    # a process starved for 20 s wakes to one failed probe: a gap, not yet a cut-off
+    assert not watch.observe(False, 21.0)
+    assert not watch.observe(False, 22.0)
+    assert watch.observe(False, 23.0)  # the third in a row, 22 s after the last answer
+    watch = Watch(timeout=8.0, now=0.0)
+    for now in range(1, 8):
+        assert not watch.observe(False, float(now))  # failing, but not yet for the timeout
+    assert not watch.observe(True, 8.5)  # one answer starts the count again
+    assert not any(watch.observe(False, 9.0 + i) for i in range(8))
+    assert watch.observe(False, 17.5)
