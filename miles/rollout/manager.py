@@ -18,7 +18,7 @@ from miles.core.sample import Sample
 from miles.rollout import rollout_hooks
 from miles.rollout.data_source import load_data_source
 from miles.rollout.engines.base import GenerateRequest
-from miles.rollout.rollout_batch import PREVIEW_SAMPLES, RolloutBatch  # noqa: F401 (imported from here)
+from miles.rollout.rollout_batch import PREVIEW_SAMPLES, RolloutBatch, without_images  # noqa: F401 (imported from here)
 from miles.sampling.step_strategies import resolve_step_strategy, select_steps
 from miles.utils.buckets import chunk_state_dict
 
@@ -411,7 +411,9 @@ class RolloutManager:
                     on_result(done[order[ref]])
         return [sample for k in range(len(refs)) for sample in done[k]]
 
-    def generate(self, rollout_id: int) -> RolloutBatch:
+    def generate(self, rollout_id: int, images: bool = True) -> RolloutBatch:
+        """One rollout: generate, score, filter, advantages. `images=False` (the driver's `images_travel`): the
+        samples leave without their decoded images, which only the preview keeps."""
         from miles.rewards.dispatch import score_groups, score_samples
         from miles.rollout.advantages import post_process_rewards
         from miles.rollout.diversity import intra_group_diversity
@@ -474,6 +476,8 @@ class RolloutManager:
         log_probs = [lp for s in samples if s.trajectory is not None for lp in s.trajectory.log_probs.tolist()]
         if log_probs:
             metrics["rollout/log_prob_mean"] = statistics.fmean(log_probs)
+        if not images:
+            return without_images(rollout_id, samples, metrics)
         return RolloutBatch(rollout_id=rollout_id, samples=samples, metrics=metrics)
 
 

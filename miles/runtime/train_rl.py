@@ -267,6 +267,7 @@ def run_iteration(
     each phase as a span."""
     import ray
 
+    from miles.rollout.rollout_batch import images_travel
     from miles.runtime.phases import Phases
 
     phases = phases or Phases.disabled()
@@ -274,7 +275,7 @@ def run_iteration(
     t0 = time.perf_counter()
     with dash.span(f"rollout {rollout_id}", "iteration", track="iterations", rollout_id=rollout_id):
         with dash.span("rollout") as span:
-            batch = ray.get(manager.generate.remote(rollout_id))
+            batch = ray.get(manager.generate.remote(rollout_id, images_travel(args)))
         if dash.enabled:
             dash.rollout(rollout_id, span.start, batch.metrics, batch.samples)
         metrics = dict(batch.metrics)

@@ -328,6 +328,48 @@ def test_a_rollout_batch_leaves_an_actor_as_a_reference_and_a_preview(local_ray)
     assert batch.trainer_input() is batch.samples
 
 
+def test_samples_leave_without_images_where_nothing_past_the_manager_reads_them(local_ray) -> None:
+    """`without_images`: the trainers' samples carry trajectories but no images (the preview keeps its 64 images),
+    and the object in the store shrinks by the images' bytes; `images_travel` says when images must go on."""
+    from types import SimpleNamespace
+
+    from miles.core.sample import Sample, Trajectory
+    from miles.rollout.rollout_batch import PREVIEW_SAMPLES, RolloutBatch, images_travel, without_images
+
+    ray = local_ray
+
+    @ray.remote(num_cpus=0)
+    class Maker:
+        def make(self, n: int, images: bool) -> RolloutBatch:
+            samples = [
+                Sample(
+                    index=i,
+                    group_index=i // 10,
+                    prompt=f"p{i}",
+                    trajectory=Trajectory(torch.full((3, 2), float(i)), torch.ones(2), torch.ones(3)),
+                    image=torch.full((3, 16, 16), float(i)),
+                )
+                for i in range(n)
+            ]
+            return RolloutBatch(7, samples, {"m": 1.0}) if images else without_images(7, samples, {"m": 1.0})
+
+    maker = Maker.remote()
+    full, lean = (ray.get(maker.make.remote(80, images)) for images in (True, False))
+    assert [float(s.image[0, 0, 0]) for s in lean.preview] == [float(i) for i in range(PREVIEW_SAMPLES)]
+    fetched = ray.get(lean.trainer_input())
+    assert all(s.image is None for s in fetched) and torch.equal(
+        fetched[70].trajectory.latents, torch.full((3, 2), 70.0)
+    )
+    assert all(s.image is not None for s in ray.get(full.trainer_input()))
+    sizes = [len(ray.cloudpickle.dumps(ray.get(b.trainer_input()))) for b in (full, lean)]
+    assert sizes[0] - sizes[1] >= 80 * 3 * 16 * 16 * 4 * 0.9  # the images' bytes, gone
+    args = SimpleNamespace(save_debug_rollout_data=None, save_debug_train_data=None)
+    assert not images_travel(args)
+    assert images_travel(SimpleNamespace(save_debug_rollout_data="r_{rollout_id}.pt"))
+    assert images_travel(SimpleNamespace(custom_convert_samples_to_train_data_path="my.hooks.convert"))
+    assert images_travel(SimpleNamespace(custom_rollout_log_function_path="my.hooks.log"))
+
+
 def test_an_actor_started_with_thread_options_has_its_threads_without_setting_them(local_ray) -> None:
     """Ray starts a fractional-CPU actor with OMP_NUM_THREADS=1; the hint starts it with 2, so torch has 2 threads
     and `use_threads(2)` has nothing to set."""
