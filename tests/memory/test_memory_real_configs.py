@@ -53,6 +53,12 @@ PUBLISHED = {
         "text_encoder": 5_680_910_336,
         "vae": 126_892_531,
     },
+    "Wan2.2-I2V-A14B-Diffusers": {  # T2V's experts with 36 input channels (its SOURCES.md)
+        "transformer": 14_288_901_184,
+        "transformer_2": 14_288_901_184,
+        "text_encoder": 5_680_910_336,
+        "vae": 126_892_531,
+    },
     "Cosmos3-Nano": {"transformer": 15_173_669_120, "vae": 704_688_668},
     "LTX-2": {
         "transformer": 18_876_174_592,

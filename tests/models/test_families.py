@@ -22,8 +22,26 @@ from miles.models.sd3.config import SD3_LORA_TARGET_MODULES, SD3TrainPipelineCon
 
 
 def test_registered_keys():
-    assert set(registered_families()) == {"sd3", "flux", "flux_kontext", "wan2_2", "qwen_image", "ltx", "cosmos3"}
-    assert trainable_families() == ("cosmos3", "flux", "flux_kontext", "ltx", "qwen_image", "sd3", "wan2_2")
+    assert set(registered_families()) == {
+        "sd3",
+        "flux",
+        "flux_kontext",
+        "wan2_2",
+        "wan2_2_i2v",
+        "qwen_image",
+        "ltx",
+        "cosmos3",
+    }
+    assert trainable_families() == (
+        "cosmos3",
+        "flux",
+        "flux_kontext",
+        "ltx",
+        "qwen_image",
+        "sd3",
+        "wan2_2",
+        "wan2_2_i2v",
+    )
 
 
 @pytest.mark.parametrize(
@@ -37,6 +55,8 @@ def test_registered_keys():
         ("/ckpts/sd3/checkpoint-500", "sd3"),
         ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan2_2"),
         ("my/wan2_2-finetune", "wan2_2"),
+        ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan2_2_i2v"),
+        ("tiny-wan2_2-i2v", "wan2_2_i2v"),
         ("Qwen/Qwen-Image", "qwen_image"),
         ("tiny-qwen-image", "qwen_image"),
         ("black-forest-labs/FLUX.1-dev", "flux"),
@@ -175,7 +195,7 @@ def test_unknown_family_suggests():
         resolve_family("tiny-sd3", family="sd35", env={})
     msg = str(info.value)
     assert "--diffusion-model-family" in msg and "did you mean 'sd3'" in msg
-    assert "cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2" in msg
+    assert "cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2, wan2_2_i2v" in msg
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"env MILES_DIFFUSION_MODEL_FAMILY: unknown model family 'sdxl'"):
         resolve_family("tiny-sd3", env={FAMILY_ENV: "sdxl"})
@@ -201,7 +221,7 @@ def test_untrainable_family_is_a_config_error(user_module):
         resolve_family(hf_checkpoint="x/y", config_path=f"{user_module}.Draft", env={})
     msg = str(info.value)
     assert msg.startswith(where) and "its forward is not written yet" in msg and "\n" not in msg
-    assert "trainable families: cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2" in msg
+    assert "trainable families: cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2, wan2_2_i2v" in msg
     assert (
         resolve_family("x/y", config_path=f"{user_module}.Draft", env={}, require_trainable=False).trainable is False
     )

@@ -56,6 +56,8 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
     max_sequence_length = 512
     trainable = True
     sglang_model_id = "Wan2.2-T2V-A14B-Diffusers"
+    # the expert boundary where a checkpoint's model_index.json is not at hand (Wan2.2-T2V-A14B's)
+    default_boundary_ratio: ClassVar[float] = 0.875
 
     def comfyui_lora_module(self, module: str) -> str:
         """`transformer.blocks.3.attn1.to_q` -> `diffusion_model.blocks.3.self_attn.q` (one file per expert)."""
@@ -106,10 +108,10 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         """Each step's expert as `WanExperts` routes it: `transformer` where the fp32 timestep is >= the boundary
         (`boundary_ratio` of model_index.json x the scheduler's train timesteps, as `WanExperts.of_pipeline`
         reads them from the pipeline: a model_index without the ratio gives boundary 0; no model_index at all:
-        Wan2.2-T2V-A14B's 0.875), else `transformer_2`."""
+        `default_boundary_ratio`, Wan2.2-T2V-A14B's 0.875), else `transformer_2`."""
         import numpy as np
 
-        ratio = 0.875 if model_index is None else model_index.get("boundary_ratio")
+        ratio = self.default_boundary_ratio if model_index is None else model_index.get("boundary_ratio")
         steps = scheduler_config.get("num_train_timesteps", 1000)
         boundary = np.float32(0.0 if ratio is None else float(ratio) * float(steps))
         return [EXPERTS[0] if np.float32(t) >= boundary else EXPERTS[1] for t in timesteps]
@@ -136,7 +138,7 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
         """Read the expert boundary (model_index `boundary_ratio` x the scheduler's train timesteps)."""
         from miles.models.wan2_2.experts import boundary_timestep
 
-        ratio, steps = _boundary_config(checkpoint)
+        ratio, steps = _boundary_config(checkpoint, self.default_boundary_ratio)
         self.boundary = boundary_timestep(ratio, steps)
 
     # ---- the experts ------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ class Wan22TrainPipelineConfig(TrainPipelineConfig):
                 for name in EXPERTS
                 if name in components
             }
-        ratio, steps = _boundary_config(checkpoint)
+        ratio, steps = _boundary_config(checkpoint, self.default_boundary_ratio)
         self.boundary = boundary_timestep(ratio, steps)
         return WanExperts(experts, self.boundary)
 
@@ -399,11 +401,11 @@ def sglang_module(module: str) -> str:
     return module
 
 
-def _boundary_config(checkpoint: Any) -> tuple[float | None, int]:
+def _boundary_config(checkpoint: Any, default_ratio: float = 0.875) -> tuple[float | None, int]:
     """(`boundary_ratio` of model_index.json, the scheduler's `num_train_timesteps`) of a local checkpoint;
-    Wan2.2-T2V-A14B's (0.875, 1000) when the files are not here."""
+    (`default_ratio`, 1000) when the files are not here (Wan2.2-T2V-A14B's 0.875 by default)."""
     root = os.fspath(checkpoint)
-    ratio: float | None = 0.875
+    ratio: float | None = default_ratio
     steps = 1000
     try:
         with open(os.path.join(root, "model_index.json")) as f:
