@@ -33,6 +33,7 @@ FAMILIES = {
     "flux": ("black-forest-labs/FLUX.1-dev", "miles.builtin.tiny.flux"),
     "qwen_image": ("Qwen/Qwen-Image", "miles.builtin.tiny.qwen_image"),
     "wan2_2": ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "miles.builtin.tiny.wan2_2"),
+    "wan2_2_i2v": ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "miles.builtin.tiny.wan2_2_i2v"),
     "ltx": ("Lightricks/LTX-2", "miles.builtin.tiny.ltx"),
     "cosmos3": ("nvidia/Cosmos3-Nano", "miles.builtin.tiny.cosmos3"),
 }
@@ -144,11 +145,12 @@ def test_the_scheduler_configs_are_what_the_builds_and_diffusers_hold(family_nam
         if component in ("scheduler", "model_index"):
             continue
         maker = makers[component]
-        built = maker(0) if family_name != "wan2_2" else maker(0, component) if component != "vae" else maker(0)
+        experts = family_name in ("wan2_2", "wan2_2_i2v") and component != "vae"
+        built = maker(0, component) if experts else maker(0)
         for key, value in keys.items():
             got = built.config[key]
             assert (list(got) if isinstance(got, (list, tuple)) else got) == value, (component, key)
-    if family_name == "wan2_2":
+    if family_name in ("wan2_2", "wan2_2_i2v"):
         assert configs["model_index"]["boundary_ratio"] == tiny.BOUNDARY_RATIO
 
 
