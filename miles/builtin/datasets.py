@@ -18,6 +18,13 @@
                              image against one of another digit); also a prompt JSONL
     digits-preference:test   the same for the test split
 
+    digits-i2v:train     digits-video's prompt rows with the video's first frame as the condition image
+                         ({"input": ..., "media": [{"role": "condition", "image": rel_png}], "metadata": {"label": 7,
+                         "direction": "left"}}; image-to-video)
+    digits-i2v:test      the same for the test split (eval)
+    digits-i2v:sft       the same rows with their target video ({"video": rel_webp, ...}; 9 frames, 64x64)
+    digits-i2v:sft-test  the same for the test split
+
 The names and file layout are `miles.builtin.names`'s (torch-free); this module writes them.
 """
 

@@ -54,15 +54,17 @@ BUILTIN_DATASETS: dict[str, tuple[str, ...]] = {
     "digits-video": tuple(DATASET_FILES),
     "digits-preference": ("train", "test"),  # preference rows (offline DPO), which are prompt lines too
     "digits-edit": ("train", "test", "sft", "sft-test"),  # the edit task: rows with a source image (media)
+    "digits-i2v": ("train", "test", "sft", "sft-test"),  # image-to-video: digits-video with its first frame (media)
 }
 # the sets whose rows carry condition images (media), and how many per row; the others carry none
-DATASET_CONDITION_IMAGES: dict[str, int] = {"digits-edit": 1}
+DATASET_CONDITION_IMAGES: dict[str, int] = {"digits-edit": 1, "digits-i2v": 1}
 # name -> (module, writer): the module has FORMAT_VERSION and MANIFEST; writer(out_dir) writes the whole set
 DATASET_WRITERS: dict[str, tuple[str, str]] = {
     "digits": ("miles.data.digits", "write_digits_data"),
     "digits-video": ("miles.data.digits_video", "write_digits_video_data"),
     "digits-preference": ("miles.data.digit_preferences", "write_digit_preference_data"),
     "digits-edit": ("miles.data.digits_edit", "write_digits_edit_data"),
+    "digits-i2v": ("miles.data.digits_i2v", "write_digits_i2v_data"),
 }
 
 

@@ -38,7 +38,7 @@ class RewardType:
     needs: what it reads of a prompt line beyond the prompt: `label` (metadata.label 0-9), `quoted` (a quoted
         target in the prompt), `source` (the row's condition images, `Sample.sources`: a type that scores an edit
         against its source; the dispatch passes them to its scorer as `sources=`, one list per sample, and refuses a
-        sample without one).
+        sample without one), `direction` (metadata.direction: right, left, down or up).
     gold: it may serve as `--gold-rm-type` (a reward computed in-process on the eval samples).
     """
 
@@ -177,6 +177,13 @@ REWARD_TYPES: dict[str, RewardType] = {
             "the digit edit task: p(metadata.label | edited) x how well it keeps the source digit's place and ink",
             f"{_SCORERS}.digit_edit:build",
             needs=("source", "label"),
+        ),
+        RewardType(
+            "digit_i2v",
+            "the digit image-to-video task: p(metadata.label) per frame x travel the prompted direction x how well "
+            "the first frame keeps the condition frame",
+            f"{_SCORERS}.digit_i2v:build",
+            needs=("source", "label", "direction"),
         ),
         RewardType(
             "remote_rm",

@@ -150,9 +150,9 @@ def check_settings(settings: RewardSettings, rm_type: str) -> None:
 
 def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) -> None:
     """What a built-in reward needs of a prompt line, checked without scoring (the preflight reads every line
-    with it): ValueError, as the reward itself would raise it. The digit rewards need `metadata.label`, OCR a
-    quoted target in the prompt. A sourced type's condition images (`source`) are not checked here: the row's media
-    are the data reader's."""
+    with it): ValueError, as the reward itself would raise it. The digit rewards need `metadata.label` (`digit_i2v`
+    `metadata.direction` too), OCR a quoted target in the prompt. A sourced type's condition images (`source`) are
+    not checked here: the row's media are the data reader's."""
     needs = REWARD_TYPES[rm_type].needs if rm_type in REWARD_TYPES else ()
     for need in needs:
         if need == "label":
@@ -163,6 +163,10 @@ def check_reward_inputs(rm_type: str, prompt: str, metadata: Mapping[str, Any]) 
             from miles.rewards.scorers.ocr import extract_target
 
             extract_target(prompt)
+        elif need == "direction":
+            from miles.rewards.scorers.digit_i2v import digit_direction
+
+            digit_direction(metadata)
 
 
 def build_scorer(settings: RewardSettings, rm_type: str) -> Scorer:

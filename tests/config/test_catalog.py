@@ -447,6 +447,7 @@ def test_enum_choices() -> None:
         "dino_i",
         "vlm_judge_edit",
         "digit_edit",
+        "digit_i2v",
         "remote_rm",
     }
     assert choices("--rollout-patch-group") == ("sgld", "ltx", "wan")

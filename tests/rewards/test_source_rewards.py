@@ -25,7 +25,7 @@ from miles.rewards import REWARD_TYPES
 from miles.rewards.dispatch import RewardSettings, batched_async_rm, check_reward_inputs, score_items, score_samples
 from miles.rewards.errors import RewardError
 
-SOURCED = ("clip_i", "clip_directional", "dino_i", "vlm_judge_edit", "digit_edit")
+SOURCED = ("clip_i", "clip_directional", "dino_i", "vlm_judge_edit", "digit_edit", "digit_i2v")
 JOB = {
     "hf_checkpoint": "tiny-flux-kontext",  # a family that edits: the sourced rewards need one
     "prompt_data": "digits-edit:train",

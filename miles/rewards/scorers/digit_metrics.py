@@ -136,7 +136,8 @@ def digit_eval_metrics(
     videos whose metadata holds `direction`, `direction_acc`.
     `images`: one `[3, H, W]` image or `[3, F, H, W]` video per sample. With `sources` (an edit: one source image
     per sample), the classifier reads what `digit_edit` reads: the crop at the source digit's size around the
-    output's ink (the whole canvas would hold a digit pasted at an offset, which the classifier was not fitted to)."""
+    output's ink (the whole canvas would hold a digit pasted at an offset, which the classifier was not fitted to);
+    video samples (image-to-video: the source is their first frame) are read per frame as without sources."""
     from miles.rewards.scorers.digit import sample_digits
 
     images = list(images)
@@ -144,7 +145,7 @@ def digit_eval_metrics(
         raise ValueError(f"{len(images)} samples but {len(metadata)} metadata")
     clf = as_classifier(classifier)
     labels = np.asarray([int(m["label"]) for m in metadata], dtype=np.int64)
-    if sources is not None:
+    if sources is not None and not _has_video(images):
         from miles.rewards.scorers.digit_edit import edit_crops
 
         x8, owner = edit_crops(images, sources), np.arange(len(images))
