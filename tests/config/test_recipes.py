@@ -30,6 +30,8 @@ EXPECTED = {
     "flux-kontext-edit-grpo",
     "tiny-wan2_2-digits-sft",
     "tiny-wan2_2-digits-grpo",
+    "tiny-wan2_2-i2v-sft",
+    "tiny-wan2_2-i2v-grpo",
     "wan22-pickscore-grpo",
     "wan22-lora-sft",
 }
@@ -140,6 +142,8 @@ def test_yaml_round_trip_of_eval_with_a_training_recipe(tmp_path: Path) -> None:
         ("flux-pickscore-grpo", "flux", 1.0),
         ("flux-kontext-edit-grpo", "flux_kontext", 1.0),
         ("tiny-wan2_2-digits-grpo", "wan2_2", 4.0),
+        ("tiny-wan2_2-i2v-sft", "wan2_2_i2v", 4.0),
+        ("tiny-wan2_2-i2v-grpo", "wan2_2_i2v", 4.0),
         ("wan22-pickscore-grpo", "wan2_2", 4.0),
     ],
 )
@@ -158,6 +162,8 @@ def test_family_recipes_resolve_their_family_and_guidance(name: str, family: str
     [
         ("tiny-wan2_2-digits-sft", 5, 2),
         ("tiny-wan2_2-digits-grpo", 5, 1),
+        ("tiny-wan2_2-i2v-sft", 5, 2),
+        ("tiny-wan2_2-i2v-grpo", 5, 1),
         ("wan22-pickscore-grpo", 5, 1),
         ("wan22-lora-sft", 81, 2),
     ],
