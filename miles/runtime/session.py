@@ -95,6 +95,9 @@ def ray_job(
                 .remote(args, None, True, placement, engines, _miles_tag=tag_for(args, "rollout_manager"))
             )
         watch = start_host_watch(args, placement, manager_node)
+        from miles.utils.gc_pauses import freeze_startup_objects
+
+        freeze_startup_objects()  # the driver's imports and set-up: out of the garbage collector's walks
         yield JobSession(out, placement, manager, manager_node=manager_node, metrics_start=metrics_mark(out))
         clean = True
     finally:

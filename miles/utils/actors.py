@@ -262,6 +262,9 @@ def actor_class(cls: type) -> type:
         except Exception as exc:
             record_failure(exc, f"{cls.__name__}.__init__")
             raise
+        from miles.utils.gc_pauses import freeze_startup_objects
+
+        freeze_startup_objects()  # what the constructor built lives as long as the actor: out of GC's walks
 
     namespace["__init__"] = __init__
     namespace["__module__"] = cls.__module__

@@ -43,6 +43,11 @@ def _worker_class() -> type:
         def user_mistake(self) -> None:
             raise ConfigError("--prompt-data p.jsonl:2: 'input' must be a string, got int")
 
+        def frozen(self) -> int:
+            import gc
+
+            return gc.get_freeze_count()
+
         def crash(self) -> None:
             import ctypes
 
@@ -157,6 +162,12 @@ def test_a_killed_actor_is_named_at_once_while_another_call_still_runs(local_ray
         failure.line
     )
     assert failure.line.endswith(f"full log: {tmp_path / 'logs' / 'worker-5.log'}")
+
+
+@pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
+def test_an_actors_start_up_objects_are_out_of_the_garbage_collectors_walks(local_ray, tmp_path: Path) -> None:
+    actor = _start(local_ray, tmp_path, 11)
+    assert local_ray.get(actor.frozen.remote()) > 10_000  # Ray's worker and this module's imports, frozen
 
 
 @pytest.mark.slow  # a local Ray for the module (~10 s to start): not in the fast tier
