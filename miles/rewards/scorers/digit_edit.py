@@ -21,7 +21,7 @@ reward reads images):
 source keeps it but gets p_b ~ 0, and a wrong digit in the right place gets p_b ~ 0. The stroke is not scored: the
 task's targets are other writers' digits, whose ink differs from the source's by 12 % on average (the mean ink
 ratio of the data's own (source, target) pairs is 0.88, which would cap a perfect edit there). Every factor is
-numpy and deterministic. A video sample is refused (the moving-digit I2V task is another reward); the source is the
+numpy and deterministic. A video sample is refused (the moving-digit I2V task is `digit_i2v`'s); the source is the
 row's first condition image.
 """
 
@@ -169,7 +169,7 @@ def build(settings: RewardSettings) -> Scorer:
             if is_video(image):
                 raise ValueError(
                     f"digit_edit scores an image edit, got a video of {image.shape[0]} frames (the moving-digit "
-                    "I2V task needs another reward)"
+                    "I2V task is scored by digit_i2v)"
                 )
         labels = [digit_label(m) for m in metadata]
         firsts = []
