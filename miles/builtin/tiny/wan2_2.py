@@ -148,8 +148,9 @@ def make_text_encoder(seed: int, tokenizer: Any) -> Any:
     return UMT5EncoderModel(config).eval()
 
 
-def make_transformer(seed: int, name: str = "transformer") -> Any:
-    """One tiny `WanTransformer3DModel` expert (random); `name` ("transformer" or "transformer_2") picks its seed."""
+def make_transformer(seed: int, name: str = "transformer", in_channels: int = LATENT_CHANNELS) -> Any:
+    """One tiny `WanTransformer3DModel` expert (random); `name` ("transformer" or "transformer_2") picks its seed;
+    `in_channels` more than the latents' where a condition is concatenated on the channels (tiny-wan2_2-i2v)."""
     from diffusers import WanTransformer3DModel
 
     seeded(seed, name, SEED_OFFSETS)
@@ -157,7 +158,7 @@ def make_transformer(seed: int, name: str = "transformer") -> Any:
         patch_size=PATCH_SIZE,
         num_attention_heads=NUM_ATTENTION_HEADS,
         attention_head_dim=ATTENTION_HEAD_DIM,
-        in_channels=LATENT_CHANNELS,
+        in_channels=in_channels,
         out_channels=LATENT_CHANNELS,
         text_dim=TEXT_DIM,
         freq_dim=FREQ_DIM,

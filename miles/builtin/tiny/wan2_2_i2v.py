@@ -15,25 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from miles.builtin.tiny.build import BuildReport
-from miles.builtin.tiny.components import seeded
 from miles.builtin.tiny.wan2_2 import (
-    ATTENTION_HEAD_DIM,
-    FFN_DIM,
-    FREQ_DIM,
     LATENT_CHANNELS,
-    NUM_ATTENTION_HEADS,
-    NUM_LAYERS,
     PATCH_SIZE,
     SCHEDULER_CONFIG,
-    SEED_OFFSETS,
     SPATIAL_COMPRESSION,
     TEMPORAL_COMPRESSION,
-    TEXT_DIM,
     VAE_STEPS,
     TinyWan22Build,
     make_scheduler,
     make_vae,
 )
+from miles.builtin.tiny.wan2_2 import make_transformer as make_wan_transformer
 from miles.models.tiny.metadata import current_design
 
 __all__ = ["TINY_WAN2_2_I2V_NAME", "BuildReport", "build_tiny_wan2_2_i2v", "make_scheduler", "make_vae"]
@@ -46,25 +39,8 @@ IN_CHANNELS = 2 * LATENT_CHANNELS + MASK_CHANNELS
 
 
 def make_transformer(seed: int, name: str = "transformer") -> Any:
-    """One tiny I2V `WanTransformer3DModel` expert (random): tiny-wan2_2's, with `IN_CHANNELS` input channels."""
-    from diffusers import WanTransformer3DModel
-
-    seeded(seed, name, SEED_OFFSETS)
-    return WanTransformer3DModel(
-        patch_size=PATCH_SIZE,
-        num_attention_heads=NUM_ATTENTION_HEADS,
-        attention_head_dim=ATTENTION_HEAD_DIM,
-        in_channels=IN_CHANNELS,
-        out_channels=LATENT_CHANNELS,
-        text_dim=TEXT_DIM,
-        freq_dim=FREQ_DIM,
-        ffn_dim=FFN_DIM,
-        num_layers=NUM_LAYERS,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=1024,
-    )
+    """One tiny I2V expert (random): tiny-wan2_2's, with `IN_CHANNELS` input channels."""
+    return make_wan_transformer(seed, name, in_channels=IN_CHANNELS)
 
 
 def grid_configs() -> dict[str, dict[str, Any]]:
