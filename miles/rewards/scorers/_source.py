@@ -31,12 +31,20 @@ if TYPE_CHECKING:
 SourcedScore = Callable[[list[Any], list[str], list[Mapping[str, Any]], list[list[Any]]], list[float]]
 
 
+def first_sources(sources: Sequence[Sequence[Any]]) -> list[Any]:
+    """Each sample's first condition image as it came (a tensor); ValueError when a sample has none."""
+    out = []
+    for per_sample in sources:
+        if not per_sample:
+            raise ValueError("no source image (the prompt row has no condition image)")
+        out.append(per_sample[0])
+    return out
+
+
 def first_source(sources: Sequence[Any]) -> np.ndarray:
     """The first condition image of one sample as (H, W, 3) uint8; ValueError when there is none or it is not one
     image."""
-    if not sources:
-        raise ValueError("no source image (the prompt row has no condition image)")
-    source = sources[0]
+    (source,) = first_sources([sources])
     if len(getattr(source, "shape", ())) == 4:
         raise ValueError(
             f"the source must be one image [3, H, W], got shape {tuple(source.shape)} (a video condition is not read)"

@@ -36,7 +36,7 @@ import numpy as np
 
 from miles.data.digits import downsample_to_digits
 from miles.models.digit_classifier import as_classifier, digits_to_features
-from miles.rewards.scorers._source import is_video, sourced_scorer
+from miles.rewards.scorers._source import first_sources, is_video, sourced_scorer
 from miles.rewards.scorers.digit import digit_label, load_digit_classifier, on_8_bits
 
 if TYPE_CHECKING:
@@ -172,11 +172,6 @@ def build(settings: RewardSettings) -> Scorer:
                     "I2V task is scored by digit_i2v)"
                 )
         labels = [digit_label(m) for m in metadata]
-        firsts = []
-        for per_sample in sources:
-            if not per_sample:
-                raise ValueError("no source image (the prompt row has no condition image)")
-            firsts.append(per_sample[0])
-        return digit_edit_reward(images, firsts, labels, classifier)
+        return digit_edit_reward(images, first_sources(sources), labels, classifier)
 
     return sourced_scorer(score, "digit_edit")

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from miles.models.digit_classifier import as_classifier, digits_to_features, videos_to_digits
-from miles.rewards.scorers._source import sourced_scorer
+from miles.rewards.scorers._source import first_sources, sourced_scorer
 from miles.rewards.scorers.digit import digit_label, load_digit_classifier, on_8_bits
 
 if TYPE_CHECKING:
@@ -187,11 +187,6 @@ def build(settings: RewardSettings) -> Scorer:
                 )
         labels = [digit_label(m) for m in metadata]
         directions = [digit_direction(m) for m in metadata]
-        firsts = []
-        for per_sample in sources:
-            if not per_sample:
-                raise ValueError("no source image (the prompt row has no condition image)")
-            firsts.append(per_sample[0])
-        return digit_i2v_reward(images, firsts, labels, directions, classifier)
+        return digit_i2v_reward(images, first_sources(sources), labels, directions, classifier)
 
     return sourced_scorer(score, "digit_i2v")
