@@ -13,6 +13,9 @@ Per train pair (clean latent x0, its group advantage A, a trained sigma t, fresh
     kl     = mean_CHW((v_new - sg(v_ref))**2)
     loss   = mean_b(per) + kl_beta * mean_b(kl)                         # kl_beta = --diffusion-kl-beta
 
+With a `mask` (the family's `generated_mask`, e.g. Wan2.2 TI2V without its condition frame) every mean_CHW is over
+the masked elements only.
+
 `v_new` is the trained policy's velocity, `v_old` the sampling policy's (pi_old: the EMA under
 `--ref-mode ema`), `v_ref` the reference's; all three are predicted at the same `x_t` without CFG. The
 factor `c` multiplies the whole policy term (the reference's `policy_loss = (ori_policy_loss * adv_clip_max).mean()`).
@@ -92,12 +95,24 @@ def nft_timesteps(
     return out[0] if single else out
 
 
-def _x0_loss(x0_hat: torch.Tensor, x0: torch.Tensor, adaptive: bool) -> torch.Tensor:
-    sq = mean_non_batch((x0_hat - x0) ** 2)
+def _mean_d(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Per-sample mean over the non-batch dims (over the `mask` elements only when given)."""
+    if mask is None:
+        return mean_non_batch(t)
+    return t.flatten(1)[:, mask.to(t.device).flatten()].mean(dim=1)
+
+
+def _mean_all(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean over every element (over the `mask` elements of each sample only when given)."""
+    return t.mean() if mask is None else _mean_d(t, mask).mean()
+
+
+def _x0_loss(x0_hat: torch.Tensor, x0: torch.Tensor, adaptive: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    sq = _mean_d((x0_hat - x0) ** 2, mask)
     if not adaptive:
         return sq
     with torch.no_grad():
-        w = mean_non_batch((x0_hat - x0).abs()).clamp_min(ADAPTIVE_WEIGHT_MIN)
+        w = _mean_d((x0_hat - x0).abs(), mask).clamp_min(ADAPTIVE_WEIGHT_MIN)
     return sq / w
 
 
@@ -114,6 +129,7 @@ def nft_loss(
     adaptive_weight: bool = True,
     v_ref: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DiffusionNFT loss and diagnostics (formulas in the module docstring).
 
@@ -127,6 +143,8 @@ def nft_loss(
     adv_clip_max  `--diffusion-adv-clip-max` c (> 0): clamp, r slope and the loss scale
     adaptive_weight  not `--no-diffusion-nft-adaptive-weight`
     v_ref, kl_beta   optional KL to the reference velocity; kl_beta > 0 requires v_ref
+    mask        optional bool tensor of one sample's shape (the family's `generated_mask`): the means read only
+                its True elements (None: all)
 
     Metrics: loss, policy_loss, kl_loss, positive_loss, negative_loss, r_mean, adv_abs_mean,
     fm_x0_mse (mean((x_t - t*v_new - x0)**2), the plain flow-matching error of the trained policy) and
@@ -148,12 +166,14 @@ def nft_loss(
     adv = promote(advantages).detach().to(device=x0.device, dtype=dtype).reshape(-1)
     if adv.shape[0] != x0.shape[0]:
         raise ValueError(f"advantages {tuple(advantages.shape)} must be [{x0.shape[0]}]")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(x0.shape[1:])):
+        raise ValueError(f"mask must be a bool tensor of one sample's shape {tuple(x0.shape[1:])}")
     r = nft_optimality(adv, adv_clip_max)
 
     v_pos = beta * v_new + (1 - beta) * v_old
     v_neg = (1 + beta) * v_old - beta * v_new
-    loss_pos = _x0_loss(x_t - tt * v_pos, x0, adaptive_weight)
-    loss_neg = _x0_loss(x_t - tt * v_neg, x0, adaptive_weight)
+    loss_pos = _x0_loss(x_t - tt * v_pos, x0, adaptive_weight, mask)
+    loss_neg = _x0_loss(x_t - tt * v_neg, x0, adaptive_weight, mask)
     per = (r * loss_pos / beta + (1 - r) * loss_neg / beta) * adv_clip_max
     pol = per.mean()
 
@@ -165,13 +185,13 @@ def nft_loss(
             )
         if v_ref.shape != x0.shape:
             raise ValueError(f"v_ref {tuple(v_ref.shape)} must match x0 {tuple(x0.shape)}")
-        kl = mean_non_batch((v_new - promote(v_ref).detach().to(dtype)) ** 2).mean()
+        kl = _mean_d((v_new - promote(v_ref).detach().to(dtype)) ** 2, mask).mean()
         loss = pol + kl_beta * kl
     else:
         loss = pol
         if v_ref is not None:
             with torch.no_grad():
-                kl = mean_non_batch((v_new.detach() - promote(v_ref).to(dtype)) ** 2).mean()
+                kl = _mean_d((v_new.detach() - promote(v_ref).to(dtype)) ** 2, mask).mean()
 
     with torch.no_grad():
         metrics = {
@@ -182,7 +202,7 @@ def nft_loss(
             "negative_loss": float(loss_neg.mean()),
             "r_mean": float(r.mean()),
             "adv_abs_mean": float(torch.clamp(adv, -adv_clip_max, adv_clip_max).abs().mean()),
-            "fm_x0_mse": float(((x_t - tt * v_new - x0) ** 2).mean()),
-            "old_deviation": float(((v_new - v_old) ** 2).mean()),
+            "fm_x0_mse": float(_mean_all((x_t - tt * v_new - x0) ** 2, mask)),
+            "old_deviation": float(_mean_all((v_new - v_old) ** 2, mask)),
         }
     return loss, metrics

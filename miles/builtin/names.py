@@ -25,6 +25,7 @@ TINY_BUILDERS: dict[str, str] = {
     "tiny-qwen-image": "miles.builtin.tiny.qwen_image:build_tiny_qwen_image",
     "tiny-wan2_2": "miles.builtin.tiny.wan2_2:build_tiny_wan2_2",
     "tiny-wan2_2-i2v": "miles.builtin.tiny.wan2_2_i2v:build_tiny_wan2_2_i2v",
+    "tiny-wan2_2-ti2v": "miles.builtin.tiny.wan2_2_ti2v:build_tiny_wan2_2_ti2v",
     "tiny-ltx2": "miles.builtin.tiny.ltx:build_tiny_ltx2",
     "tiny-cosmos3": "miles.builtin.tiny.cosmos3:build_tiny_cosmos3",
 }

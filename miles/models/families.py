@@ -39,6 +39,7 @@ _BUILTIN_MODULES = (
     "miles.models.qwen_image.config",
     "miles.models.wan2_2.config",
     "miles.models.wan2_2_i2v.config",
+    "miles.models.wan2_2_ti2v.config",
     "miles.models.ltx.config",
     "miles.models.cosmos3.config",
 )

@@ -385,6 +385,28 @@ class TrainPipelineConfig(SglangAdapter):
         loss reads only those elements (e.g. LTX-2's video stream: image data has no audio). Default None: all."""
         return None
 
+    def generated_mask(self, latent_shape: tuple[int, ...]) -> Any:
+        """A bool tensor of `latent_shape` (one sample): True where the family generates the latent element, False
+        where the condition fixes it (e.g. Wan2.2 TI2V's latent frame 0, the condition image's latents at timestep
+        0). The elements it leaves out are no part of the sample's distribution: the step keeps them (the family's
+        velocity is 0 there and `hold_latents` sets them), and every log-prob, KL and loss leaves them out
+        (`step_mask`, `loss_mask`, NFT). Default None: every element is generated."""
+        return None
+
+    def step_mask(self, latent_shape: tuple[int, ...]) -> Any:
+        """The mask the engine's SDE step and the trainer's recompute pass to the step: `sde_mask` and
+        `generated_mask` together (None when both are None: the step as without a mask)."""
+        return both_masks(self.sde_mask(latent_shape), self.generated_mask(latent_shape))
+
+    def loss_mask(self, latent_shape: tuple[int, ...]) -> Any:
+        """The elements a data loss reads (SFT, DPO): `data_mask` and `generated_mask` together (None: all)."""
+        return both_masks(self.data_mask(latent_shape), self.generated_mask(latent_shape))
+
+    def hold_latents(self, latents: Any, cond: Mapping[str, Any]) -> Any:
+        """The engine's initial latents `[B, *latent_shape]` with the elements `generated_mask` leaves out set from
+        the condition `cond` (the batch's positive cond dict), which the steps then keep. Default: unchanged."""
+        return latents
+
     def bind_checkpoint(self, checkpoint: Any) -> None:
         """Read what the family needs from a local checkpoint beyond its name (e.g. Wan2.2's expert boundary)
         before `trainable_steps`; default: nothing."""
@@ -631,6 +653,15 @@ class TrainPipelineConfig(SglangAdapter):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def both_masks(a: Any, b: Any) -> Any:
+    """The elementwise AND of two optional bool masks (None: all True)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a & b.to(a.device)
 
 
 def scheduler_schedule(scheduler: Any) -> tuple[Any, Any]:

@@ -3,7 +3,8 @@
 Per micro-batch: sigma from the shifted logit-normal (`--fsdp-flow-shift`; within the trained experts' range),
 fresh noise, the noised latents; the method's `data_loss(batch, inputs)` takes them. The default loss
 (`flow_matching_loss`, `--loss-type sft_loss`) is `miles.algorithms.sft_loss.sft_loss` on the unguided velocity,
-over the elements the data carries (the family's `data_mask`, e.g. LTX-2's video).
+over the elements the data carries and the model generates (the family's `loss_mask`: LTX-2's video; not
+Wan2.2 TI2V's condition frame).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def flow_matching_step(
     start = time.perf_counter()
     pairs = [Pair(s, 0, i) for i, s in enumerate(conditions)]
     sigma_range = trainer.family.trainable_sigma_range(target_components(trainer.args))
-    data_mask = trainer.family.data_mask(tuple(x0.shape[1:]))
+    data_mask = trainer.family.loss_mask(tuple(x0.shape[1:]))  # data_mask and generated_mask
 
     def micro(batch: list[Pair]) -> Loss:
         idx = [p.slot for p in batch]
@@ -55,5 +56,6 @@ def flow_matching_step(
 def flow_matching_loss(trainer: Trainer, batch: list[Pair], inputs: dict[str, Any]) -> Loss:
     """`sft_loss` of the unguided velocity on `inputs` (see `flow_matching_step`)."""
     v = trainer.velocity(inputs["latents"], inputs["timesteps"], [p.sample for p in batch], None)
-    # data_mask: only these elements carry data (e.g. LTX-2's video, not its audio)
+    # data_mask: only these elements carry data and are generated (e.g. LTX-2's video, not its audio; not TI2V's
+    # condition frame)
     return sft_loss(v, inputs["clean_latents"], inputs["noise"], inputs["sigmas"], mask=inputs["data_mask"])

@@ -28,6 +28,7 @@ def test_registered_keys():
         "flux_kontext",
         "wan2_2",
         "wan2_2_i2v",
+        "wan2_2_ti2v",
         "qwen_image",
         "ltx",
         "cosmos3",
@@ -41,6 +42,7 @@ def test_registered_keys():
         "sd3",
         "wan2_2",
         "wan2_2_i2v",
+        "wan2_2_ti2v",
     )
 
 
@@ -57,6 +59,8 @@ def test_registered_keys():
         ("my/wan2_2-finetune", "wan2_2"),
         ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan2_2_i2v"),
         ("tiny-wan2_2-i2v", "wan2_2_i2v"),
+        ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan2_2_ti2v"),
+        ("tiny-wan2_2-ti2v", "wan2_2_ti2v"),
         ("Qwen/Qwen-Image", "qwen_image"),
         ("tiny-qwen-image", "qwen_image"),
         ("black-forest-labs/FLUX.1-dev", "flux"),
@@ -195,7 +199,7 @@ def test_unknown_family_suggests():
         resolve_family("tiny-sd3", family="sd35", env={})
     msg = str(info.value)
     assert "--diffusion-model-family" in msg and "did you mean 'sd3'" in msg
-    assert "cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2, wan2_2_i2v" in msg
+    assert "cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v" in msg
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"env MILES_DIFFUSION_MODEL_FAMILY: unknown model family 'sdxl'"):
         resolve_family("tiny-sd3", env={FAMILY_ENV: "sdxl"})
@@ -221,7 +225,8 @@ def test_untrainable_family_is_a_config_error(user_module):
         resolve_family(hf_checkpoint="x/y", config_path=f"{user_module}.Draft", env={})
     msg = str(info.value)
     assert msg.startswith(where) and "its forward is not written yet" in msg and "\n" not in msg
-    assert "trainable families: cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2, wan2_2_i2v" in msg
+    trainable = "cosmos3, flux, flux_kontext, ltx, qwen_image, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v"
+    assert f"trainable families: {trainable}" in msg
     assert (
         resolve_family("x/y", config_path=f"{user_module}.Draft", env={}, require_trainable=False).trainable is False
     )

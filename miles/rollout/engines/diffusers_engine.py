@@ -288,11 +288,13 @@ class DiffusersEngine:
         if plan.compress_after is not None:  # --diffusion-post-sde-steps-ratio (MixGRPO-Flash)
             sigmas, timesteps = compress_after(sigmas, timesteps, plan.compress_after, float(req.post_sde_steps_ratio))
         num_steps = int(timesteps.shape[0])
-        sde_mask = family.sde_mask(shape)  # None: every element stochastic (else e.g. LTX-2's audio by ODE)
+        # None: every element stochastic (else e.g. LTX-2's audio by ODE, Wan2.2 TI2V's condition frame held)
+        sde_mask = family.step_mask(shape)
         step_extra = {} if sde_mask is None else {"mask": sde_mask}
         ndim = len(shape)
         generators = self.noise_generators(seeds)
-        x = torch.stack([draw_normal(shape, g) for g in generators])
+        # the elements the condition fixes (`generated_mask`), e.g. TI2V's latent frame 0: set once, then kept
+        x = family.hold_latents(torch.stack([draw_normal(shape, g) for g in generators]), conditions.cond_batch)
         rows_now = m
         if plan.branch_at is not None:  # --diffusion-shared-prefix: the first sample's noise, the prefix run once
             x, rows_now = x[:1], 1

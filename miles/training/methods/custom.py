@@ -13,8 +13,9 @@ replace them); on dataset latents the inputs are flow matching's (`miles.trainin
     Every other key passes through to the loss. Without it the batch is the Flow-GRPO one
     (`miles.training.pairs.flow_grpo_batch`: latents, next_latents, timesteps, sigmas, next_sigmas,
     sigma_max, old_log_probs, advantages, guidance_scale, sde_type, noise_level, pairs); in `train sft`
-    it is latents (noised), timesteps, sigmas, clean_latents, noise, data_mask (the family's `data_mask`: the
-    elements the data carries, e.g. LTX-2's video channels; None for every other family; pass it as
+    it is latents (noised), timesteps, sigmas, clean_latents, noise, data_mask (the family's `loss_mask`: the
+    elements the data carries and the model generates, e.g. LTX-2's video channels, Wan2.2 TI2V's frames after the
+    condition frame; None for the other families; pass it as
     `sft_loss(..., mask=batch["data_mask"])`) and pairs.
 
 --custom-loss-function-path  (--loss-type custom_loss)

@@ -106,7 +106,7 @@ class Dpo(RolloutMethod):
         x_t = noisy_latents(x0, noise2, sigma2)
         timesteps = sigma2 * 1000.0
         samples = [p.sample for p in batch] + [p.partner or p.sample for p in batch]
-        mask = trainer.family.data_mask(tuple(x0.shape[1:]))
+        mask = trainer.family.loss_mask(tuple(x0.shape[1:]))
         with torch.no_grad(), trainer.reference():  # before the trained forward: weights swap under no graph
             e_ref = denoising_error(trainer.velocity(x_t, timesteps, samples, None), x0, noise2, mask)
         e_theta = denoising_error(trainer.velocity(x_t, timesteps, samples, None), x0, noise2, mask)

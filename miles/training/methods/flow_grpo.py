@@ -40,7 +40,7 @@ class FlowGrpo(RolloutMethod):
         x, x_next, ts, old, adv = b["latents"], b["next_latents"], b["timesteps"], b["old_log_probs"], b["advantages"]
         sig, sig_next, sig_max = b["sigmas"], b["next_sigmas"], b["sigma_max"]
         cfg, sde_type, noise = b["guidance_scale"], b["sde_type"], b["noise_level"]
-        sde_mask = trainer.family.sde_mask(tuple(x.shape[1:]))  # the engine's (e.g. LTX-2's audio by ODE)
+        sde_mask = trainer.family.step_mask(tuple(x.shape[1:]))  # the engine's (LTX-2's audio, TI2V's frame 0)
         step_extra: dict[str, Any] = {} if sde_mask is None else {"mask": sde_mask}
 
         def step_of(v: torch.Tensor):

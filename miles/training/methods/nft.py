@@ -74,4 +74,5 @@ class Nft(RolloutMethod):
             adaptive_weight=not args.no_diffusion_nft_adaptive_weight,
             v_ref=v_ref,
             kl_beta=kl_beta,
+            mask=trainer.family.generated_mask(tuple(x0.shape[1:])),  # e.g. not TI2V's condition frame
         )
