@@ -47,6 +47,7 @@ PUBLISHED = {
         "vae": 83_819_683,
     },
     "Qwen-Image": {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531},
+    "Qwen-Image-Edit-2511": {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531},
     "Wan2.2-T2V-A14B-Diffusers": {
         "transformer": 14_288_491_584,
         "transformer_2": 14_288_491_584,
@@ -58,6 +59,11 @@ PUBLISHED = {
         "transformer_2": 14_288_901_184,
         "text_encoder": 5_680_910_336,
         "vae": 126_892_531,
+    },
+    "Wan2.2-TI2V-5B-Diffusers": {  # one 5B transformer (48 in/out channels), the Wan2.2 VAE (its SOURCES.md)
+        "transformer": 4_999_787_712,
+        "text_encoder": 5_680_910_336,
+        "vae": 704_688_668,
     },
     "Cosmos3-Nano": {"transformer": 15_173_669_120, "vae": 704_688_668},
     "LTX-2": {

@@ -34,6 +34,7 @@ FAMILIES = {
     "qwen_image": ("Qwen/Qwen-Image", "miles.builtin.tiny.qwen_image"),
     "wan2_2": ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "miles.builtin.tiny.wan2_2"),
     "wan2_2_i2v": ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "miles.builtin.tiny.wan2_2_i2v"),
+    "wan2_2_ti2v": ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "miles.builtin.tiny.wan2_2_ti2v"),
     "ltx": ("Lightricks/LTX-2", "miles.builtin.tiny.ltx"),
     "cosmos3": ("nvidia/Cosmos3-Nano", "miles.builtin.tiny.cosmos3"),
 }
