@@ -23,6 +23,7 @@ TINY_BUILDERS: dict[str, str] = {
     "tiny-flux": "miles.builtin.tiny.flux:build_tiny_flux",
     "tiny-flux-kontext": "miles.builtin.tiny.flux_kontext:build_tiny_flux_kontext",
     "tiny-qwen-image": "miles.builtin.tiny.qwen_image:build_tiny_qwen_image",
+    "tiny-qwen-image-edit": "miles.builtin.tiny.qwen_image_edit:build_tiny_qwen_image_edit",
     "tiny-wan2_2": "miles.builtin.tiny.wan2_2:build_tiny_wan2_2",
     "tiny-wan2_2-i2v": "miles.builtin.tiny.wan2_2_i2v:build_tiny_wan2_2_i2v",
     "tiny-wan2_2-ti2v": "miles.builtin.tiny.wan2_2_ti2v:build_tiny_wan2_2_ti2v",

@@ -116,6 +116,11 @@ class TrainPipelineConfig(SglangAdapter):
     def load_pipeline_class(self) -> type:
         return import_dotted(self.pipeline_class)
 
+    def load_pipeline(self, checkpoint: Any, **kwargs: Any) -> Any:
+        """The pipeline of `checkpoint` as the engine and SFT's encoder load it: `pipeline_class.from_pretrained(
+        checkpoint, **kwargs)`. A family whose checkpoints need more (a component made on load) overrides it."""
+        return self.load_pipeline_class().from_pretrained(checkpoint, **kwargs)
+
     def load_transformer_class(self) -> type:
         if self.transformer_class is None:
             raise NotImplementedError(f"family {self.name!r} names no transformer class")
@@ -490,6 +495,24 @@ class TrainPipelineConfig(SglangAdapter):
         recorded with the sample, so the trainer's forward sees exactly the engine's. Families with
         `condition_images` (0, 0) are never called."""
         raise NotImplementedError(f"model family {self.name!r} takes no condition images")
+
+    def condition_media(
+        self,
+        pipe: Any,
+        images: list[Any],
+        height: int,
+        width: int,
+        prompts: tuple[str, str | None],
+        pos: Mapping[str, Any],
+        neg: Mapping[str, Any] | None,
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """One prompt row's conditions with its condition images in them: `pos` / `neg` are the row's conditions as
+        `encode_prompts` made them for `prompts` = (the prompt, the negative prompt or None), one row without a batch
+        dimension (`condition_row`; `neg` None without CFG). The engine and SFT's encoder call this once per row.
+        Default: `encode_media`'s inputs added to both branches. A family whose text condition reads the images
+        (Qwen-Image-Edit's vision-language encoder) encodes its text again here, with them."""
+        media = {k: v[0] for k, v in self.encode_media(pipe, images, height, width).items()}
+        return {**pos, **media}, (None if neg is None else {**neg, **media})
 
     def encode_images(self, pipe: Any, pixels: Any) -> Any:
         """Images [B, 3, H, W] in [-1, 1] -> normalised latents [B, C, h, w] (the posterior mean)."""

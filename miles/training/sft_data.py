@@ -133,7 +133,7 @@ def open_encoder(args: Any) -> Encoder:
     checkpoint = input_path(args, args.sft_encoder_checkpoint or args.hf_checkpoint)
     family.bind_checkpoint(checkpoint)  # what the latent layout reads from it (e.g. LTX-2's audio planes)
     with quiet_loading():
-        pipe = family.load_pipeline_class().from_pretrained(checkpoint, transformer=None, dtype=torch.float32)
+        pipe = family.load_pipeline(checkpoint, transformer=None, dtype=torch.float32)
     return Encoder(family, checkpoint, pipe, (int(args.diffusion_height), int(args.diffusion_width)))
 
 
@@ -173,19 +173,20 @@ def caption_conditions(args: Any, encoder: Encoder, captions: list[str]) -> dict
     return cache
 
 
-def media_conditions(encoder: Encoder, media: tuple[Any, ...]) -> dict[str, torch.Tensor]:
-    """The condition inputs of a row's condition images (`encode_media`, as the engine encodes a prompt row's)."""
+def media_conditions(
+    encoder: Encoder, media: tuple[Any, ...], cond: Conditions, prompts: tuple[str, str | None]
+) -> Conditions:
+    """A row's caption conditions `cond` with its condition images in them (`condition_media`, as the engine
+    encodes a prompt row's); `prompts` = (the caption, the negative prompt)."""
     from miles.data.media import open_condition_images
 
     images = open_condition_images(ref.path for ref in media)
     height, width = encoder.size
-    return {k: v[0].float() for k, v in encoder.family.encode_media(encoder.pipe, images, height, width).items()}
-
-
-def with_media_conditions(cond: Conditions, extra: dict[str, torch.Tensor]) -> Conditions:
-    """A row's caption conditions with its condition images' inputs added to the positive and the negative."""
-    negative = None if cond.negative is None else {**cond.negative, **extra}
-    return Conditions({**cond.positive, **extra}, negative, cond.guidance_scale)
+    pos, neg = encoder.family.condition_media(
+        encoder.pipe, images, height, width, prompts, cond.positive, cond.negative
+    )
+    negative = None if neg is None else {k: v.float() for k, v in neg.items()}
+    return Conditions({k: v.float() for k, v in pos.items()}, negative, cond.guidance_scale)
 
 
 @torch.no_grad()
@@ -212,12 +213,13 @@ def encode_sft_dataset(args: Any, batch_size: int = 64) -> SFTDataset:
     cache = caption_conditions(args, encoder, captions)
     conditions = [cache[c] for c in captions]
     if encoder.family.condition_images != (0, 0):  # each row's source in both branches (the dropout keeps it)
-        encoded: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}  # rows that share their sources share them
-        for _, media in with_media:
-            if media not in encoded:  # MediaRefs are frozen: a row's tuple of them is its key
-                encoded[media] = media_conditions(encoder, media)
-        pairs = zip(conditions, with_media, strict=True)
-        conditions = [with_media_conditions(c, encoded[media]) for c, (_, media) in pairs]
+        encoded: dict[tuple[Any, ...], Conditions] = {}  # rows that share caption and sources share them
+        negative = args.diffusion_negative_prompt
+        for caption, (_, media) in zip(captions, with_media, strict=True):
+            if (caption, media) not in encoded:  # MediaRefs are frozen: a row's tuple of them is its key
+                prompts = (caption, negative)
+                encoded[caption, media] = media_conditions(encoder, media, cache[caption], prompts)
+        conditions = [encoded[c, media] for c, (_, media) in zip(captions, with_media, strict=True)]
     return SFTDataset(
         latents=torch.cat(latents).float(),
         conditions=conditions,

@@ -108,9 +108,8 @@ class DiffusersEngine:
         # initial and SDE noise are drawn by per-sample generators on --diffusion-generator-device
         self.generator_device = generator_device(args.diffusion_generator_device, self.device)
         self.dtype = DTYPES[args.diffusion_forward_dtype]
-        pipeline_cls = self.family.load_pipeline_class()
         with quiet_loading():
-            self.pipe = pipeline_cls.from_pretrained(self.checkpoint, dtype=self.dtype)
+            self.pipe = self.family.load_pipeline(self.checkpoint, dtype=self.dtype)
         if self.dtype != torch.float32:
             self.pipe.vae.to(torch.float32)  # decode in fp32: rewards read the image
         self.pipe.to(self.device)
@@ -248,9 +247,7 @@ class DiffusersEngine:
         )
         sources: list[list[torch.Tensor]] = [[] for _ in reqs]
         if family.condition_images != (0, 0):  # each prompt's condition images, in both branches
-            media, sources = self._encode_media(reqs)
-            pos = {**pos, **media}
-            neg = None if neg is None else {**neg, **media}
+            pos, neg, sources = self._encode_media(reqs, pos, neg)
         if len(reqs) == 1:
             cond_batch = {k: v.expand(m, *v.shape[1:]) for k, v in pos.items()}
             neg_batch = {k: v.expand(m, *v.shape[1:]) for k, v in neg.items()} if neg is not None else None
@@ -261,18 +258,36 @@ class DiffusersEngine:
         scale_2 = req.guidance_scale_2 if do_cfg else None
         return _Conditions(pos, neg, cond_batch, neg_batch, cfg_scale, do_cfg, scale_2, sources)
 
-    def _encode_media(self, reqs: list[GenerateRequest]) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
-        """The condition inputs of each request's images (one row per request) and the images as [3, H, W] in
-        [0, 1] (what a reward that compares an edit with its source reads)."""
+    def _encode_media(
+        self, reqs: list[GenerateRequest], pos: dict[str, torch.Tensor], neg: dict[str, torch.Tensor] | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, list[list[torch.Tensor]]]:
+        """The text conditions `pos` / `neg` (one row per request) with each request's condition images in them
+        (`condition_media`, row by row, collated again), and the images as [3, H, W] in [0, 1] (what a reward that
+        compares an edit with its source reads)."""
         from miles.data.media import open_condition_images
 
-        rows: list[dict[str, torch.Tensor]] = []
+        family = self.family
+        pos_rows: list[dict[str, torch.Tensor]] = []
+        neg_rows: list[dict[str, torch.Tensor]] = []
         sources: list[list[torch.Tensor]] = []
-        for r in reqs:
+        for p, r in enumerate(reqs):
             images = open_condition_images(r.media)
-            rows.append(self.family.encode_media(self.pipe, images, r.height, r.width))
+            row_neg = None if neg is None else family.condition_row(neg, p)
+            a, b = family.condition_media(
+                self.pipe,
+                images,
+                r.height,
+                r.width,
+                (r.prompt, r.negative_prompt),
+                family.condition_row(pos, p),
+                row_neg,
+            )
+            pos_rows.append(a)
+            if b is not None:
+                neg_rows.append(b)
             sources.append([torch.from_numpy(np.asarray(i, dtype=np.float32) / 255).permute(2, 0, 1) for i in images])
-        return {k: torch.cat([row[k] for row in rows]) for k in rows[0]}, sources
+        neg_batch = None if neg is None else family.collate_conditions(neg_rows)
+        return family.collate_conditions(pos_rows), neg_batch, sources
 
     def _denoise(self, reqs: list[GenerateRequest], seeds: list[int], conditions: _Conditions) -> _Denoised:
         """The step loop: every row from its seed's initial noise to its last latent, an SDE step (its own noise,

@@ -1,0 +1,283 @@
+"""qwen_image_edit (Qwen-Image-Edit-Plus: 2509, 2511) through the in-process engine, against diffusers'
+`QwenImageEditPlusPipeline`, on the embedded tiny-qwen-image-edit (2511's `zero_cond_t` DiT config, a Qwen2.5-VL text
+encoder that sees the source, the source's packed tokens after the generated ones).
+
+With noise level 0 the engine, given a prompt row's source image, reproduces the pipeline's latents and images to
+1e-5, with one branch and with true CFG (the negative encoded with the same source); the recorded text states depend
+on the source (the vision-language encoder saw it); a recorded SDE transition recomputed the trainer's way
+(`guided_velocity` on the collated conditions, the source tokens among them) gives back the rollout's log-prob to
+1e-6; the trajectory holds the generated latents only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from miles.config.resolve import resolve
+from miles.models.flux.config import unpack_latents
+from miles.rollout.engines.base import GenerateRequest
+from miles.rollout.engines.diffusers_engine import DiffusersEngine
+from miles.sampling.sde import sde_step
+from miles.training.pairs import stack_conditions
+
+PROMPT = "make it a 5"
+CASES = {
+    "one-branch": ({"diffusion_true_cfg_scale": 1.0}, {"true_cfg_scale": 1.0}),
+    "true-cfg": ({"diffusion_true_cfg_scale": 4.0}, {"true_cfg_scale": 4.0, "negative_prompt": " "}),
+}
+_ENGINES: dict[str, DiffusersEngine] = {}
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_image_edit_dir(miles_session_home: Path) -> Path:
+    """tiny-qwen-image-edit with a 5-step VAE fit: the tests need its layout, not its reconstructions."""
+    from miles.builtin.tiny.qwen_image_edit import build_tiny_qwen_image_edit
+    from miles.models.tiny.metadata import current_design
+
+    name = f"tiny-qwen-image-edit-design{current_design('tiny-qwen-image-edit')}-vae5"
+    path = miles_session_home / "test-builds" / name
+    if not (path / "model_index.json").is_file():
+        build_tiny_qwen_image_edit(path, progress=False, vae_steps=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two digits of the embedded test split as 64x64 RGB PNGs (the same kind of file a user's rows name)."""
+    from miles.data.digits import load_digits_split
+
+    split = load_digits_split()
+    folder = tmp_path_factory.mktemp("qwen-edit-sources")
+    paths = []
+    for i in (0, 1):
+        digit = (split.test_x[i] * 255).round().astype(np.uint8)
+        image = Image.fromarray(digit).resize((64, 64), Image.NEAREST).convert("RGB")
+        paths.append(folder / f"src{i}.png")
+        image.save(paths[-1])
+    return paths
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request: pytest.FixtureRequest, tiny_qwen_image_edit_dir: Path) -> tuple[str, DiffusersEngine, dict]:
+    return (request.param, *_engine_of(request.param, tiny_qwen_image_edit_dir))
+
+
+def _engine_of(name: str, checkpoint: Path) -> tuple[DiffusersEngine, dict]:
+    """The engine of case `name` (made once per module) and the pipeline's arguments for the same guidance."""
+    flags, pipe_kwargs = CASES[name]
+    if name not in _ENGINES:
+        cli = {
+            "hf_checkpoint": str(checkpoint),
+            "prompt_data": "digits-edit:train",
+            "rm_type": "digit_edit",
+            "rollout_batch_size": 2,
+            "n_samples_per_prompt": 4,
+            "diffusion_num_sde_steps": 3,
+            "actor_num_gpus_per_node": 1,
+            "num_gpus_per_node": 1,
+            "diffusion_forward_dtype": "fp32",
+            "diffusion_height": 64,
+            "diffusion_width": 64,
+            **flags,
+        }
+        _ENGINES[name] = DiffusersEngine(resolve("rl", cli=cli).args, device="cpu")
+    return _ENGINES[name], pipe_kwargs
+
+
+def _request(engine: DiffusersEngine, media: tuple[Path, ...], noise_level: float, sde_steps, seeds, steps: int = 6):
+    args = engine.args
+    return GenerateRequest(
+        prompt=PROMPT,
+        metadata={"label": 5},
+        group_index=0,
+        indices=list(range(len(seeds))),
+        seeds=list(seeds),
+        sde_steps=sde_steps,
+        num_steps=steps,
+        guidance_scale=float(args.diffusion_guidance_scale),
+        noise_level=noise_level,
+        sde_type="sde",
+        height=64,
+        width=64,
+        negative_prompt=" ",
+        true_cfg_scale=args.diffusion_true_cfg_scale,
+        media=tuple(str(p) for p in media),
+    )
+
+
+def _pipeline_latents(engine: DiffusersEngine, media: tuple[Path, ...], seeds, pipe_kwargs, monkeypatch, **extra):
+    """The pipeline's own call on the same inputs (its VAE-copy area set to the tiny build's, as the engine's)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    condition_area, vae_area = engine.family.image_areas(engine.pipe)
+    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", condition_area)
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", vae_area)
+    images = []
+    for path in media:
+        with Image.open(path) as image:
+            images.append(image.convert("RGB"))
+    return engine.pipe(
+        image=images if len(images) > 1 else images[0],
+        prompt=PROMPT,
+        num_inference_steps=6,
+        height=64,
+        width=64,
+        num_images_per_prompt=len(seeds),
+        generator=[torch.Generator().manual_seed(s) for s in seeds],
+        **pipe_kwargs,
+        **extra,
+    ).images
+
+
+@pytest.mark.slow
+def test_the_engine_runs_the_plus_pipeline(case) -> None:
+    from diffusers import QwenImageEditPlusPipeline
+
+    _, engine, _ = case
+    assert engine.family.name == "qwen_image_edit"
+    assert isinstance(engine.pipe, QwenImageEditPlusPipeline)
+    assert engine.pipe.processor is not None  # made from processor/ (no torchvision here)
+    assert engine.pipe.transformer.config.zero_cond_t  # 2511's: the source tokens at timestep 0
+    assert engine.family.image_areas(engine.pipe) == (384 * 384, 64 * 64)
+    assert engine.pipe.processor.image_processor.size["longest_edge"] == 56 * 56  # 4 image tokens per source
+
+
+@pytest.mark.slow
+def test_noise_level_zero_reproduces_the_pipeline(case, sources, monkeypatch) -> None:
+    name, engine, pipe_kwargs = case
+    seeds = [5, 6]
+    samples = engine.generate([_request(engine, (sources[0],), 0.0, [[], []], seeds)])
+    ours = torch.stack([s.trajectory.latents[-1] for s in samples])
+    packed = _pipeline_latents(engine, (sources[0],), seeds, pipe_kwargs, monkeypatch, output_type="latent")
+    ref = unpack_latents(packed.float(), 8, 8)
+    assert ours.shape == ref.shape == (2, engine.family.latent_channels(engine.pipe), 8, 8)  # the generated part
+    diff = (ours - ref).abs().max().item()
+    assert diff <= 1e-5, (name, diff)
+    images = _pipeline_latents(engine, (sources[0],), seeds, pipe_kwargs, monkeypatch, output_type="pt")
+    got = torch.stack([s.image for s in samples])
+    assert (got - images.float()).abs().max().item() <= 1e-5, name
+    # the source's tokens and grid are recorded with both branches; the sample carries its source for rewards
+    cond = samples[0].conditions
+    assert cond.positive["ref_tokens"].shape == (16, 4 * engine.family.latent_channels(engine.pipe))
+    assert cond.positive["ref_grid"].tolist() == [[8.0, 8.0]]
+    if name == "true-cfg":
+        assert torch.equal(cond.negative["ref_tokens"], cond.positive["ref_tokens"])
+    else:
+        assert cond.negative is None
+    assert len(samples[0].sources) == 1 and samples[0].sources[0].shape == (3, 64, 64)
+
+
+@pytest.mark.slow
+def test_the_text_states_read_the_source(case, sources) -> None:
+    """The recorded text states were encoded with the source: another source gives other states (and another
+    edit); the prompt alone, without the picture, is shorter."""
+    _, engine, _ = case
+    a = engine.generate([_request(engine, (sources[0],), 0.0, [[]], [5])])[0]
+    b = engine.generate([_request(engine, (sources[1],), 0.0, [[]], [5])])[0]
+    text_a, text_b = a.conditions.positive["encoder_hidden_states"], b.conditions.positive["encoder_hidden_states"]
+    assert text_a.shape == text_b.shape and (text_a - text_b).abs().max().item() > 1e-4
+    alone, _ = engine.family.encode_prompts(engine.pipe, [PROMPT], None, False, engine.max_sequence_length)
+    assert alone["encoder_hidden_states"].shape[1] < text_a.shape[0]
+    assert (a.trajectory.latents[-1] - b.trajectory.latents[-1]).abs().max().item() > 1e-4
+
+
+@pytest.mark.slow
+def test_recorded_log_probs_are_reproduced_by_a_recompute(case, sources) -> None:
+    name, engine, _ = case
+    sde_steps = [[0, 1, 2], [2, 3], [4]]
+    samples = engine.generate([_request(engine, (sources[0],), 0.7, sde_steps, seeds=(11, 12, 13))])
+    family, pipe = engine.family, engine.pipe
+    worst = 0.0
+    for sample, steps in zip(samples, sde_steps, strict=True):
+        traj = sample.trajectory
+        assert traj.sde_step_indices == steps and traj.log_probs.shape == (len(steps),)
+        assert traj.latents.shape[1:] == (family.latent_channels(pipe), 8, 8)  # no source tokens in x
+        cfg = sample.conditions.guidance_scale
+        pos = stack_conditions([sample], negative=False, family=family)
+        neg = stack_conditions([sample], negative=True, family=family) if cfg > 1 else None
+        for j, i in enumerate(steps):
+            x = traj.latents[i][None]
+            v = family.guided_velocity(pipe.transformer, x, traj.timesteps[i].expand(1), pos, neg, cfg)
+            res = sde_step(
+                v,
+                x,
+                traj.sigmas[i],
+                traj.sigmas[i + 1],
+                sde_type="sde",
+                noise_level=0.7,
+                sigma_max=traj.sigmas[1],
+                prev_sample=traj.latents[i + 1][None],
+            )
+            worst = max(worst, abs(res.log_prob.item() - traj.log_probs[j].item()))
+    assert worst <= 1e-6, (name, worst)
+
+
+@pytest.mark.slow
+def test_two_sources_reproduce_the_pipeline(tiny_qwen_image_edit_dir: Path, sources, monkeypatch) -> None:
+    """Two pictures per row: "Picture 1", "Picture 2" in the text, both sources' tokens after the generated ones
+    (RoPE frame indices 1 and 2), as the pipeline runs them."""
+    engine, pipe_kwargs = _engine_of("one-branch", tiny_qwen_image_edit_dir)
+    media = (sources[0], sources[1])
+    samples = engine.generate([_request(engine, media, 0.0, [[]], [7])])
+    packed = _pipeline_latents(engine, media, [7], pipe_kwargs, monkeypatch, output_type="latent")
+    assert (samples[0].trajectory.latents[-1][None] - unpack_latents(packed.float(), 8, 8)).abs().max() <= 1e-5
+    assert samples[0].conditions.positive["ref_tokens"].shape[0] == 32
+    assert samples[0].conditions.positive["ref_grid"].tolist() == [[8.0, 8.0], [8.0, 8.0]]
+
+
+def test_a_traced_source_takes_the_outputs_grid() -> None:
+    """Under the memory plan's fake tensors a recorded grid cannot be read: sources the output's size (the plan's
+    example) take the output's grid, any other is refused; a real grid is read as recorded."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from miles.models.qwen_image_edit.config import source_grids
+
+    assert source_grids(torch.tensor([[6, 10], [8, 8]]), 31, (8, 8)) == [(6, 10), (8, 8)]
+    assert source_grids(torch.tensor([[[6.0, 10.0]], [[6.0, 10.0]]]), 15, (8, 8)) == [(6, 10)]  # a batch's row 0
+    with FakeTensorMode():
+        fake = torch.empty(1, 2)
+    assert source_grids(fake, 16, (8, 8)) == [(8, 8)]
+    assert source_grids(torch.empty(2, 2, device="meta"), 32, (8, 8)) == [(8, 8), (8, 8)]
+    with pytest.raises(ValueError, match="only sources the output's size are traced"):
+        source_grids(fake, 12, (8, 8))
+
+
+def test_a_batch_takes_one_source_geometry() -> None:
+    """Rows are padded to the longest text (qwen_image's collate) and their sources stacked; sources of other sizes
+    in one batch are refused (the DiT takes one `img_shapes`), and a row comes back as it was."""
+    from miles.models.families import get_family
+
+    family = get_family("qwen_image_edit")
+
+    def row(length: int, grid: tuple[int, int]) -> dict[str, torch.Tensor]:
+        return {
+            "encoder_hidden_states": torch.randn(length, 4),
+            "encoder_hidden_states_mask": torch.ones(length),
+            "ref_tokens": torch.randn(grid[0] * grid[1] // 4, 16),
+            "ref_grid": torch.tensor([list(grid)], dtype=torch.float32),
+        }
+
+    a, b = row(5, (8, 8)), row(7, (8, 8))
+    batch = family.collate_conditions([a, b])
+    assert batch["encoder_hidden_states"].shape == (2, 7, 4) and batch["ref_tokens"].shape == (2, 16, 16)
+    back = family.condition_row(batch, 0)
+    assert all(torch.equal(back[k], a[k]) for k in a)
+    with pytest.raises(ValueError, match="one geometry per batch"):
+        family.collate_conditions([a, row(5, (8, 4))])
+    with pytest.raises(ValueError, match="one geometry per batch"):
+        family.collate_conditions([a, {**row(5, (8, 8)), "ref_grid": torch.tensor([[4.0, 16.0]])}])
+
+
+def test_the_family_resolves_and_refuses_sglang() -> None:
+    from miles.models.families import resolve_family
+
+    for name in ("Qwen/Qwen-Image-Edit-2511", "Qwen/Qwen-Image-Edit-2509", "tiny-qwen-image-edit"):
+        assert resolve_family(name).name == "qwen_image_edit"
+    assert resolve_family("Qwen/Qwen-Image").name == "qwen_image"
+    family = resolve_family("tiny-qwen-image-edit")
+    assert family.condition_images == (1, 3) and family.sglang_unserved
