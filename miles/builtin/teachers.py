@@ -34,6 +34,7 @@ TEACHER_SOURCES: dict[str, tuple[str, str]] = {
     "tiny-ltx2-digits-sft-short": ("tiny-ltx2-digits-sft", "tiny-ltx2"),
     "tiny-flux-kontext-edit-sft-short": ("tiny-flux-kontext-edit-sft", "tiny-flux-kontext"),
     "tiny-wan2_2-i2v-digits-sft-short": ("tiny-wan2_2-i2v-sft", "tiny-wan2_2-i2v"),
+    "tiny-wan2_2-ti2v-digits-sft-short": ("tiny-wan2_2-ti2v-sft", "tiny-wan2_2-ti2v"),
 }
 STAMP_FILE = "digits_teacher.json"
 # copies made before the stamp existed

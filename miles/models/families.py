@@ -6,8 +6,8 @@ Resolution order, first hit wins:
   2. `--train-pipeline-config-path pkg.mod.Class` (a user subclass or instance; excludes 1.)
   3. the env var `MILES_DIFFUSION_MODEL_FAMILY`
   4. the `--hf-checkpoint` name, matched against each family's `hf_ckpt_name_patterns`
-  5. for a local directory whose name carries no hint: its `model_index.json` `_class_name`,
-     matched against each family's `pipeline_class`
+  5. for a local directory whose name carries no hint: its `model_index.json`, scored by each family's
+     `model_index_score` (by default: its `_class_name` against the family's `pipeline_class`)
 New families register with `@register_train_pipeline_config("key")`.
 """
 
@@ -111,15 +111,20 @@ def family_from_checkpoint_name(name: str) -> str | None:
 
 
 def family_from_model_index(checkpoint: str) -> str | None:
-    """The family whose pipeline class is the `_class_name` in a local `model_index.json`, else None."""
+    """The family whose `model_index_score` of a local `model_index.json` is the highest, alone (by default the one
+    whose pipeline class is its `_class_name`), else None."""
     _ensure_builtins()
     try:
         with open(os.path.join(os.path.expanduser(checkpoint), "model_index.json")) as f:
-            class_name = json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError):
+            index = json.load(f)
+    except (OSError, ValueError):
         return None
-    matches = sorted(k for k, cls in _REGISTRY.items() if cls.pipeline_class.rpartition(".")[2] == class_name)
-    return matches[0] if len(matches) == 1 else None
+    if not isinstance(index, dict):
+        return None
+    scores = {k: cls.model_index_score(index) for k, cls in _REGISTRY.items()}
+    best = max(scores.values(), default=0)
+    matches = sorted(k for k, s in scores.items() if s == best)
+    return matches[0] if best > 0 and len(matches) == 1 else None
 
 
 def _suggest(value: str) -> str:

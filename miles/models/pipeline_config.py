@@ -133,6 +133,13 @@ class TrainPipelineConfig(SglangAdapter):
         lowered = checkpoint_name.lower()
         return max((len(p) for p in cls.hf_ckpt_name_patterns if p.lower() in lowered), default=0)
 
+    @classmethod
+    def model_index_score(cls, index: Mapping[str, Any]) -> int:
+        """How well a local checkpoint's `model_index.json` (a dict) names this family, for a directory whose name
+        does not: 0 not at all, 1 its `_class_name` is this family's pipeline class; a family that shares its
+        pipeline class with another scores what tells them apart higher (Wan2.2 TI2V's `expand_timesteps`)."""
+        return 1 if cls.pipeline_class.rpartition(".")[2] == index.get("_class_name") else 0
+
     # ---- guidance -------------------------------------------------------------------------------
     def cfg_scale(self, guidance_scale: float, true_cfg_scale: float | None = None) -> float:
         """The scale of the two-branch (positive/negative) combine; <= 1 means one branch only."""

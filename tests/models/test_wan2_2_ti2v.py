@@ -123,6 +123,26 @@ def test_the_family_is_torch_free_and_resolves_from_names() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_local_directory_without_a_name_hint_resolves_by_its_model_index(tmp_path: Path) -> None:
+    """A TI2V checkpoint as the hub saves it (`WanPipeline` with `expand_timesteps`), or as a trainer's checkpoint
+    named `checkpoint`: wan2_2_ti2v, not wan2_2 (the same pipeline class) nor wan2_2_i2v."""
+    import json
+
+    from miles.models.families import family_from_model_index
+
+    cases = [
+        ({"_class_name": "WanPipeline", "expand_timesteps": True}, "wan2_2_ti2v"),
+        ({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True}, "wan2_2_ti2v"),
+        ({"_class_name": "WanPipeline", "boundary_ratio": 0.875}, "wan2_2"),
+        ({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": False}, "wan2_2_i2v"),
+    ]
+    for i, (index, family) in enumerate(cases):
+        folder = tmp_path / str(i) / "checkpoint"
+        folder.mkdir(parents=True)
+        (folder / "model_index.json").write_text(json.dumps(index))
+        assert family_from_model_index(str(folder)) == family, index
+
+
 def test_the_tiny_build_is_registered() -> None:
     from miles.builtin.checkpoints import TINY_BUILDERS, tiny_builder
     from miles.builtin.tiny.wan2_2_ti2v import build_tiny_wan2_2_ti2v, grid_configs

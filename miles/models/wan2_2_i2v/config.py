@@ -16,7 +16,7 @@ what I2V-A14B adds is one first-frame image per prompt row, on the DiT's input c
     frame 0 is generated, softly tied to the image).
 The video's frame count is a run setting (`bind_args`: `--diffusion-output-num-frames`), which the encode reads.
 Wan2.2-TI2V-5B (`expand_timesteps=True`: latent frame 0 replaced by the image and given timestep 0) is another
-layout, not built here. The text is encoded by `WanPipeline`'s UMT5 path (the same computation; the I2V
+layout, the `wan2_2_ti2v` family. The text is encoded by `WanPipeline`'s UMT5 path (the same computation; the I2V
 pipeline's own prompt cleaning calls `ftfy` unconditionally).
 """
 

@@ -66,6 +66,13 @@ class Wan22TI2VTrainPipelineConfig(Wan22TrainPipelineConfig):
         "trajectories with the first frame held is unverified); the in-process engine serves it"
     )
 
+    @classmethod
+    def model_index_score(cls, index: Mapping[str, Any]) -> int:
+        """2 for a Wan pipeline saved with `expand_timesteps` true (the hub saves TI2V-5B as a `WanPipeline`, which
+        `wan2_2` and `wan2_2_i2v` score 1 by their pipeline classes), else 0."""
+        wan = index.get("_class_name") in ("WanPipeline", "WanImageToVideoPipeline")
+        return 2 if wan and index.get("expand_timesteps") is True else 0
+
     # ---- one transformer: the base class's denoiser, schedule routing and checks ------------------------------
     def denoiser(self, pipe: Any) -> Any:
         return TrainPipelineConfig.denoiser(self, pipe)

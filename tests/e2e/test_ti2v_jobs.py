@@ -1,0 +1,86 @@
+"""The TI2V-5B layout (wan2_2_ti2v on tiny-wan2_2-ti2v) through the jobs' CLI, on the embedded digits I2V task:
+`train sft` of the `tiny-wan2_2-ti2v-sft` recipe for 3 steps on digits-i2v rows (evaluated by `digit_i2v`), then
+`train rl` of `tiny-wan2_2-ti2v-grpo` for one small rollout from that SFT's checkpoint (as the recipe starts from a
+short SFT): the trainer's recompute of the rollout's log-probs (frames >= 1) agrees with the engine's, and every
+sample's latent frame 0 is its first frame's latents.
+
+`extended` (the tiny build and two jobs); the parts run in the default suite (the engine, the masks and the
+recompute in tests/models/test_wan2_2_ti2v.py, the recipes in tests/config).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles.io.metrics import read_metrics
+from miles_cli.main import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
+
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4"]
+SMALL += ["--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "4"]
+SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
+
+
+@pytest.fixture(scope="module")
+def tiny_wan2_2_ti2v_dir(miles_session_home: Path) -> Path:
+    """tiny-wan2_2-ti2v with a 5-step VAE fit (the build tests/models/test_wan2_2_ti2v.py makes, shared on disk)."""
+    from miles.builtin.tiny.wan2_2_ti2v import build_tiny_wan2_2_ti2v
+    from miles.models.tiny.metadata import current_design
+
+    name = f"tiny-wan2_2-ti2v-design{current_design('tiny-wan2_2-ti2v')}-vae5"
+    path = miles_session_home / "test-builds" / name
+    if not (path / "model_index.json").is_file():
+        build_tiny_wan2_2_ti2v(path, progress=False, vae_steps=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def i2v_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The digits-i2v set written for the first 8 train and 2 test digits (the set's own writer)."""
+    import miles.data.digits_i2v as digits_i2v
+    from miles.data.digits import DigitsSplit, load_digits_split
+
+    split = load_digits_split()
+    small = DigitsSplit(split.train_x[:8], split.train_y[:8], split.test_x[:2], split.test_y[:2])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(digits_i2v, "load_digits_split", lambda seed=0: small)
+        return digits_i2v.write_digits_i2v_data(tmp_path_factory.mktemp("digits-i2v"))
+
+
+def test_sft_then_grpo_on_the_digits_i2v_task(tiny_wan2_2_ti2v_dir: Path, i2v_rows, tmp_path: Path) -> None:
+    import torch
+
+    sft = tmp_path / "sft"
+    argv = ["train", "sft", "--recipe", "tiny-wan2_2-ti2v-sft", "--hf-checkpoint", str(tiny_wan2_2_ti2v_dir)]
+    flags = ["--prompt-data", str(i2v_rows["sft"]), "--eval-prompt-data", "i2v", str(i2v_rows["test"])]
+    flags += ["--num-rollout", "3", "--global-batch-size", "4", "--micro-batch-size", "4"]
+    flags += ["--diffusion-num-steps", "4"]
+    assert main([*argv, *flags, "--output-dir", str(sft)]) == 0
+    rows = read_metrics(sft / "metrics.jsonl")
+    assert [r["rollout_id"] for r in rows if "train/loss" in r] == [0, 1, 2]
+    final = rows[-1]
+    assert final["eval/i2v/num_samples"] == 2 and 0.0 <= final["eval/i2v/reward_mean"] <= 1.0
+
+    rl = tmp_path / "rl"
+    argv = ["train", "rl", "--recipe", "tiny-wan2_2-ti2v-grpo", "--hf-checkpoint", str(sft / "checkpoint")]
+    flags = ["--prompt-data", str(i2v_rows["train"]), "--eval-prompt-data", "i2v", str(i2v_rows["test"]), *SMALL]
+    dump = tmp_path / "dump"
+    assert main([*argv, *flags, "--num-rollout", "1", "--dump-details", str(dump), "--output-dir", str(rl)]) == 0
+    rows = read_metrics(rl / "metrics.jsonl")
+    train = next(r for r in rows if "train/loss" in r)
+    assert 0.0 <= train["rollout/reward/raw_mean"] <= 1.0  # digit_i2v read each sample's first frame
+    print(f"TI2V GRPO: log_prob_mean_abs_diff {train['train/log_prob_mean_abs_diff']:.3g}")
+    assert train["train/log_prob_mean_abs_diff"] <= 1e-5
+    assert rows[-1]["eval/i2v/num_samples"] == 2
+
+    from miles.io.rollout_file import load_rollout
+
+    _, samples, _ = load_rollout(dump / "rollout_data" / "0.pt")
+    assert len(samples) == 8
+    for s in samples:
+        c0 = s.conditions.positive["first_frame"]
+        assert all(torch.equal(x[:, :1], c0) for x in s.trajectory.latents[1:])  # frame 0 held, never noised
+        assert s.image.shape == (3, 5, 64, 64)
