@@ -40,6 +40,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-cosmos3-digits-sft-short": 50,  # eval reward 0.59 on the ten prompts (0.10 at 25 steps)
     "tiny-ltx2-digits-sft-short": 1000,  # video stream only (the ltx patch group)
     "tiny-flux-kontext-edit-sft-short": 500,  # the digits edit task (digits-edit:sft), cosine over the 500 steps
+    "tiny-qwen-image-edit-sft-short": 500,  # the digits edit task, as tiny-flux-kontext's (not measured yet)
     "tiny-wan2_2-i2v-digits-sft-short": 100,  # the digits I2V task: eval digit_i2v 0.18 on 40 test prompts (10 steps)
     "tiny-wan2_2-ti2v-digits-sft-short": 100,  # the digits I2V task on the TI2V layout (not measured yet)
 }

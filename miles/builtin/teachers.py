@@ -33,6 +33,7 @@ TEACHER_SOURCES: dict[str, tuple[str, str]] = {
     "tiny-cosmos3-digits-sft-short": ("tiny-cosmos3-digits-sft", "tiny-cosmos3"),
     "tiny-ltx2-digits-sft-short": ("tiny-ltx2-digits-sft", "tiny-ltx2"),
     "tiny-flux-kontext-edit-sft-short": ("tiny-flux-kontext-edit-sft", "tiny-flux-kontext"),
+    "tiny-qwen-image-edit-sft-short": ("tiny-qwen-image-edit-sft", "tiny-qwen-image-edit"),
     "tiny-wan2_2-i2v-digits-sft-short": ("tiny-wan2_2-i2v-sft", "tiny-wan2_2-i2v"),
     "tiny-wan2_2-ti2v-digits-sft-short": ("tiny-wan2_2-ti2v-sft", "tiny-wan2_2-ti2v"),
 }

@@ -281,3 +281,83 @@ def test_the_family_resolves_and_refuses_sglang() -> None:
     assert resolve_family("Qwen/Qwen-Image").name == "qwen_image"
     family = resolve_family("tiny-qwen-image-edit")
     assert family.condition_images == (1, 3) and family.sglang_unserved
+
+
+# ---- the rules and the memory plan (no model built) ----------------------------------------------------------------
+REAL = "Qwen/Qwen-Image-Edit-2511"
+SMALL = {
+    "prompt_data": "digits-edit:train",  # rows with one condition image each (the rules' check; not read here)
+    "rm_type": "digit_edit",
+    "rollout_batch_size": 1,
+    "n_samples_per_prompt": 4,
+    "global_batch_size": 4,
+    "micro_batch_size": 4,
+    "actor_num_gpus_per_node": 1,
+    "num_gpus_per_node": 1,
+    "diffusion_num_steps": 6,
+    "diffusion_num_sde_steps": 2,
+    "diffusion_true_cfg_scale": 4.0,
+}
+
+
+def _fails(job: str, **cli) -> str:
+    from miles.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        resolve(job, cli={**SMALL, "hf_checkpoint": REAL, **cli})
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_rules_refuse_sglang_dmd2_offline_dpo_and_the_first_edit_model() -> None:
+    import sys
+
+    message = _fails("rl", rollout_backend="sglang", sglang_python=sys.executable)
+    assert "model family 'qwen_image_edit'" in message and "condition images" in message
+    assert resolve("rl", cli={**SMALL, "hf_checkpoint": REAL}).args.rollout_backend == "diffusers"  # auto
+    assert "DMD2 samples its student from text alone" in _fails("dmd2")
+    assert "offline DPO" in _fails("sft", loss_type="dpo", prompt_data="digits-preference:train")
+    assert "QwenImageEditPipeline" in _fails("rl", hf_checkpoint="Qwen/Qwen-Image-Edit")
+
+
+@pytest.mark.slow  # traces the real-size step on fake tensors: minutes on 2 cores
+def test_the_real_lora_grpo_plan_fits_80_gib(capsys: pytest.CaptureFixture) -> None:
+    """`miles plan` of a LoRA Flow-GRPO job on the real Qwen-Image-Edit-2511 (its shipped configs) at the pipeline's
+    1024 x 1024 with a source of that size, true CFG, one sample per micro-batch, on 4 colocated 80 GiB GPUs (the
+    trainer shards the 20B DiT; one GPU cannot hold the trainer's and the engine's copies)."""
+    import re
+
+    from miles_cli.main import main
+
+    flags = {
+        **SMALL,
+        "hf_checkpoint": REAL,
+        "rollout_batch_size": 8,
+        "n_samples_per_prompt": 8,
+        "rollout_microgroup_size": 8,
+        "global_batch_size": 64,
+        "micro_batch_size": 1,
+        "diffusion_num_steps": 20,
+        "diffusion_num_sde_steps": 2,
+        "actor_num_gpus_per_node": 4,
+        "num_gpus_per_node": 4,
+        "colocate": True,
+        "diffusion_height": 1024,
+        "diffusion_width": 1024,
+        "diffusion_forward_dtype": "bf16",
+        "gradient_checkpointing": True,
+        "use_lora": True,
+        "lora_rank": 64,
+        "lora_alpha": 128,
+        "gpu_memory_gib": 80,
+    }
+    argv = ["plan", "--job", "rl"]
+    for key, value in flags.items():
+        argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    rc = main(argv)
+    out = capsys.readouterr()
+    peak = float(re.search(r"memory: peak ([\d.]+) GiB per GPU", out.out).group(1))  # type: ignore[union-attr]
+    print(f"Qwen-Image-Edit-2511 LoRA GRPO plan: peak {peak} GiB per GPU")
+    assert rc == 0 and "fits" in out.out, out.err
+    assert peak < 80

@@ -29,12 +29,19 @@ from miles.builtin.tiny.qwen_image import (
     IMAGE_SIZE,
     VAE_STEPS,
     TinyQwenImageBuild,
+    grid_configs,
     make_transformer,
     prompt_token_lengths,
 )
 from miles.models.tiny.metadata import current_design
 
-__all__ = ["TINY_QWEN_IMAGE_EDIT_NAME", "BuildReport", "build_tiny_qwen_image_edit", "make_image_processor"]
+__all__ = [
+    "TINY_QWEN_IMAGE_EDIT_NAME",
+    "BuildReport",
+    "build_tiny_qwen_image_edit",
+    "grid_configs",  # tiny-qwen-image's: the same scheduler, VAE and transformer input
+    "make_image_processor",
+]
 
 TINY_QWEN_IMAGE_EDIT_NAME = "tiny-qwen-image-edit"
 SGLANG_MODEL_ID = "Qwen-Image-Edit-2511"
