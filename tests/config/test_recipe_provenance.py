@@ -30,6 +30,7 @@ GPU_RECIPES = {
     "flux-kontext-edit-grpo",
     "qwen-image-pickscore-grpo",
     "wan22-pickscore-grpo",
+    "wan22-i2v-grpo",
     "wan22-lora-sft",
     "cosmos3-pickscore-t2i",
     "ltx23-pickscore-grpo",

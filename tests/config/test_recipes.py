@@ -33,6 +33,7 @@ EXPECTED = {
     "tiny-wan2_2-i2v-sft",
     "tiny-wan2_2-i2v-grpo",
     "wan22-pickscore-grpo",
+    "wan22-i2v-grpo",
     "wan22-lora-sft",
 }
 
@@ -145,6 +146,7 @@ def test_yaml_round_trip_of_eval_with_a_training_recipe(tmp_path: Path) -> None:
         ("tiny-wan2_2-i2v-sft", "wan2_2_i2v", 4.0),
         ("tiny-wan2_2-i2v-grpo", "wan2_2_i2v", 4.0),
         ("wan22-pickscore-grpo", "wan2_2", 4.0),
+        ("wan22-i2v-grpo", "wan2_2_i2v", 3.5),
     ],
 )
 def test_family_recipes_resolve_their_family_and_guidance(name: str, family: str, cfg: float) -> None:

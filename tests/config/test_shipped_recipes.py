@@ -79,6 +79,7 @@ def test_the_gpu_recipes() -> None:
         "sd3-ocr-grpo",
         "sd3-pickscore-nft",
         "sd35-4step",
+        "wan22-i2v-grpo",
         "wan22-lora-sft",
         "wan22-pickscore-grpo",
     ]
@@ -108,6 +109,17 @@ def test_wan22_pickscore_grpo_trains_both_experts() -> None:
     assert owners == {"transformer", "transformer_2"}
     assert found.steps == (1, 2, 3)
     assert [round(found.grid.sigmas[i], 3) for i in found.steps] == [0.960, 0.913, 0.858]
+
+
+def test_wan22_i2v_grpo_trains_both_experts() -> None:
+    """The I2V recipe's candidate steps sit on both sides of the I2V checkpoint's expert boundary (0.9) of its
+    8-step shift-5 grid: its anchors' steps (Flow-Factory's step 1, UniRL's 0-1) reach the high-noise expert only."""
+    found = trained_steps(resolve(None, recipe="wan22-i2v-grpo").args)
+    assert not isinstance(found, str), found
+    assert found.steps == (1, 2, 3)
+    assert [found.grid.experts[i] for i in found.steps] == ["transformer", "transformer", "transformer_2"]
+    assert [round(found.grid.sigmas[i], 3) for i in found.steps] == [0.968, 0.926, 0.871]
+    assert found.grid.experts[1] == found.grid.experts[0]  # step 1 alone (Flow-Factory's) trains one expert
 
 
 # ---- recipes that break each rule --------------------------------------------------------------------------------

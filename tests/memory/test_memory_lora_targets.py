@@ -26,6 +26,7 @@ TRAINABLE = {
     "sd3-ocr-grpo": {"actor": 18_776_064},  # r32 on the joint attention (attn.*)
     "sd3-pickscore-nft": {"actor": 18_776_064},  # r32
     "sd35-4step": {"critic": 2_243_171_520, "actor": 83_755_008},  # full critic; r64 student, attention + FFNs
+    "wan22-i2v-grpo": {"actor": 613_416_960},  # r64, both experts (the I2V experts differ only in the patch embedding)
     "wan22-lora-sft": {"actor": 613_416_960},  # r64, both experts
     "wan22-pickscore-grpo": {"actor": 613_416_960},  # r64, both experts
 }

@@ -42,6 +42,7 @@ def _peak(out: str) -> float:
         "sd3-ocr-grpo",
         "qwen-image-pickscore-grpo",
         "wan22-pickscore-grpo",  # fits on 80 GiB since the trainer's frozen base leaves before the LoRA-only sync
+        "wan22-i2v-grpo",  # the same layout on the I2V experts, on the in-process engines
     ],
 )
 def test_plan_prints_per_gpu_estimates_of_the_shipped_recipes(capsys, recipe: str) -> None:

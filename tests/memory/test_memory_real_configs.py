@@ -22,6 +22,7 @@ GPU_RECIPES = {
     "sd3-ocr-grpo": "stabilityai/stable-diffusion-3.5-medium",
     "sd3-pickscore-nft": "stabilityai/stable-diffusion-3.5-medium",
     "sd35-4step": "stabilityai/stable-diffusion-3.5-medium",
+    "wan22-i2v-grpo": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
     "wan22-lora-sft": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
     "wan22-pickscore-grpo": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
 }
