@@ -1,9 +1,13 @@
 """The image-to-video family (wan2_2_i2v on tiny-wan2_2-i2v) through the jobs' CLI, on the embedded digits I2V task:
 `train sft` of the `tiny-wan2_2-i2v-sft` recipe for a few steps on digits-i2v rows (evaluated by `digit_i2v`), then
 `train rl` of `tiny-wan2_2-i2v-grpo` for one small rollout from that SFT's checkpoint (as the recipe starts from a
-short SFT), each sample scored against its first frame.
+short SFT), each sample scored against its first frame. Then the jobs that do not train live on the built model: a
+deterministic `train rl` whose rollouts are dumped and the same training replayed from the dump with no engine give
+the same metrics; `miles eval` on digits-i2v:test rows reports `digit_i2v` and the task's metrics; `miles
+rollout-only` writes rollout files that carry the condition as tensors and load with `weights_only=True`.
 
-About two and a half minutes on 2 cores (the tiny build, two jobs): `extended`; the parts run in the default suite
+About 13 minutes on 2 cores shared with other jobs (the tiny build, six jobs, most of it Ray and engine
+start-up): `extended`; the parts run in the default suite
 (the engine and the recompute in tests/models/test_wan2_2_i2v.py, the reward in
 tests/rewards/test_digit_i2v_reward.py, the recipes in tests/config).
 """
@@ -82,3 +86,108 @@ def test_sft_then_grpo_on_the_digits_i2v_task(tiny_wan2_2_i2v_dir: Path, i2v_row
     assert len(samples) == 8 and {s.prompt for s in samples} <= {p["input"] for p in prompts}
     assert all(s.sources is not None and s.sources[0].shape == (3, 64, 64) for s in samples)
     assert all(s.image.shape == (3, 5, 64, 64) for s in samples)  # the recipe's 5-frame clips
+
+
+# ---- the jobs that do not train live: replay, eval, rollout-only --------------------------------------------------
+# 2 prompts x 2 samples, 4 steps (2 SDE steps), one optimizer step a rollout. The random experts' videos score
+# digit_i2v ~1e-14 (advantages of the eps alone), so clip_i on a tiny random CLIP (the conftest's) joins it: a
+# second reward that reads each sample's first frame and spreads a group's rewards, so the replayed training has a
+# real gradient to agree on. Each reward is then logged by name.
+TINY = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2"]
+TINY += ["--global-batch-size", "4", "--micro-batch-size", "4", "--diffusion-num-steps", "4"]
+TINY += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
+
+
+def _job(job: list[str], checkpoint: Path, rows: dict[str, Path], clip: tuple[str, str], out: Path, *extra: str):
+    argv = [*job, "--recipe", "tiny-wan2_2-i2v-grpo", "--hf-checkpoint", str(checkpoint)]
+    flags = ["--prompt-data", str(rows["train"]), "--eval-prompt-data", "i2v", str(rows["test"]), *TINY]
+    flags += [
+        "--rm-type",
+        "digit_i2v,clip_i",
+        "--clip-score-model-path",
+        clip[0],
+        "--clip-score-processor-path",
+        clip[1],
+    ]
+    assert main([*argv, *flags, "--output-dir", str(out), *extra]) == 0
+    return read_metrics(out / "metrics.jsonl")
+
+
+def test_live_training_and_its_replay_agree(tiny_wan2_2_i2v_dir: Path, i2v_rows, tiny_clip, tmp_path: Path) -> None:
+    """Two deterministic rollouts trained live, their rollouts dumped (`--save-debug-rollout-data`); the same two
+    trainings on the dumped rollouts (`--train-only --load-debug-rollout-data`, no engine) give the same `train/*`
+    metrics, the second on the weights the first trained."""
+    dump = str(tmp_path / "dump" / "{rollout_id}.pt")
+    common = ("--num-rollout", "2", "--deterministic-mode", "--lr", "1e-3")
+    model = (tiny_wan2_2_i2v_dir, i2v_rows, tiny_clip)
+    *live, final = _job(["train", "rl"], *model, tmp_path / "live", *common, "--save-debug-rollout-data", dump)
+    assert [r["rollout_id"] for r in live] == [0, 1]
+    assert final["eval/i2v/num_samples"] == 2 and 0.0 <= final["eval/i2v/digit_i2v/reward_mean"] <= 1.0
+    for row in live:
+        assert 0.0 <= row["rollout/reward/digit_i2v/raw_mean"] <= 1.0  # each read its sample's first frame
+        assert row["rollout/reward/clip_i/raw_std"] > 0.0  # the group's rewards differ: a real gradient
+        assert row["train/grad_norm"] > 1e-6 and row["train/log_prob_mean_abs_diff"] <= 1e-5
+
+    from miles.io.rollout_file import load_rollout
+
+    _, samples, _ = load_rollout(dump.format(rollout_id=0))
+    assert all(s.conditions.positive["image_condition"].shape == (3, 5, 16, 16) for s in samples)
+    assert all(s.trajectory.latents.shape[1:] == (2, 5, 16, 16) for s in samples)  # the generated channels only
+
+    replay = ["--train-only", "--load-debug-rollout-data", dump]
+    replayed = _job(["train", "rl"], *model, tmp_path / "train-only", *common, *replay)
+    assert [r["rollout_id"] for r in replayed] == [0, 1]  # no engine, so no eval
+    for row, original in zip(replayed, live, strict=True):
+        trained = sorted(k for k in original if k.startswith("train/"))
+        assert sorted(k for k in row if k.startswith("train/")) == trained
+        for key in trained:
+            assert row[key] == pytest.approx(original[key], rel=1e-6, abs=1e-9), key
+
+
+def test_eval_on_digits_i2v_test_rows(tiny_wan2_2_i2v_dir: Path, i2v_rows, tiny_clip, tmp_path: Path) -> None:
+    """`miles eval` on two digits-i2v:test rows, two samples each: digit_i2v by name (and clip_i), and the task's
+    metrics: per-frame accuracy, fd (20 frames read) and direction accuracy."""
+    model = (tiny_wan2_2_i2v_dir, i2v_rows, tiny_clip)
+    (row,) = _job(["eval"], *model, tmp_path / "eval", "--n-samples-per-eval-prompt", "2")
+    assert row["eval/i2v/num_samples"] == 4
+    for name in ("digit_i2v", "clip_i"):
+        assert 0.0 <= row[f"eval/i2v/{name}/reward_mean"] <= 1.0
+    parts = row["eval/i2v/digit_i2v/reward_mean"] + row["eval/i2v/clip_i/reward_mean"]
+    assert row["eval/i2v/reward_mean"] == pytest.approx(parts)  # weight 1 each
+    assert 0.0 <= row["eval/i2v/accuracy"] <= 1.0 and 0.0 <= row["eval/i2v/direction_acc"] <= 1.0
+    assert row["eval/i2v/fd"] >= 0.0
+
+
+def test_rollout_only_files_carry_the_condition_as_tensors(
+    tiny_wan2_2_i2v_dir: Path, i2v_rows, tiny_clip, tmp_path: Path
+) -> None:
+    """`miles rollout-only`: its rollout file loads with `torch.load(weights_only=True)`, and each sample carries its
+    first frame (`sources`, the row's PNG) and the encoded condition (`image_condition`, in both branches, shared by
+    its group) as tensors."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    out = tmp_path / "rollouts"
+    (row,) = _job(["rollout-only"], tiny_wan2_2_i2v_dir, i2v_rows, tiny_clip, out, "--num-rollout", "1")
+    assert 0.0 <= row["rollout/reward/digit_i2v/raw_mean"] <= 1.0 and not any(k.startswith("train/") for k in row)
+    raw = torch.load(out / "rollout_0.pt", weights_only=True)
+    assert raw["rollout_id"] == 0 and len(raw["samples"]) == 4
+    for sample in raw["samples"]:
+        (source,) = sample["sources"]
+        assert isinstance(source, torch.Tensor) and source.shape == (3, 64, 64)
+        (path,) = sample["media"]
+        png = torch.from_numpy(np.asarray(Image.open(path).convert("RGB"))).permute(2, 0, 1).float() / 255
+        assert torch.allclose(source, png, atol=1e-6)  # the row's first frame, decoded
+        conditions = sample["conditions"]
+        for branch in ("positive", "negative"):
+            condition = conditions[branch]["image_condition"]
+            assert isinstance(condition, torch.Tensor) and condition.shape == (3, 5, 16, 16)  # mask + first frame
+        assert torch.equal(conditions["positive"]["image_condition"], conditions["negative"]["image_condition"])
+    first, second = ([s for s in raw["samples"] if s["group_index"] == g] for g in (0, 1))
+    assert torch.equal(
+        first[0]["conditions"]["positive"]["image_condition"], first[1]["conditions"]["positive"]["image_condition"]
+    )
+    assert not torch.equal(
+        first[0]["conditions"]["positive"]["image_condition"], second[0]["conditions"]["positive"]["image_condition"]
+    )
