@@ -17,7 +17,7 @@ import yaml
 from miles.config.eval_schedule import evaluates, has_eval_data, schedule_text
 from miles.config.jobs import JOBS
 from miles.config.layering import load_config_file
-from miles.config.recipes import shipped_recipes
+from miles.config.recipes import find_recipe, shipped_recipes
 from miles.config.resolve import ResolvedJob, resolve
 from miles.core.errors import ConfigError
 from miles.sampling.trained_steps import trained_steps, trains_sde_steps
@@ -217,11 +217,16 @@ def test_the_grid_checks_apply_to_methods_that_train_sde_steps_only() -> None:
         ({"diffusion_true_cfg_scale": 1.0}, "CFG is off in training (--diffusion-true-cfg-scale 1.0 (cli)"),
     ],
 )
-def test_a_recipes_detach_that_another_flag_makes_inapplicable_falls_back_to_full(cli: dict, why: str) -> None:
-    """tiny-flux-kontext-edit-grpo sets --diffusion-cfg-uncond-grad detach. A user who changes another flag so that
-    it no longer applies never typed it: the recipe's value falls back to full, said in one warning. The same value
-    typed on the command line is refused (the user's own flag is never ignored)."""
-    recipe = "tiny-flux-kontext-edit-grpo"
+def test_a_recipes_detach_that_another_flag_makes_inapplicable_falls_back_to_full(
+    cli: dict, why: str, tmp_path: Path
+) -> None:
+    """A recipe (tiny-flux-kontext-edit-grpo's, with --diffusion-cfg-uncond-grad detach) whose detach another flag
+    makes inapplicable: the user never typed it, so the recipe's value falls back to full, said in one warning. The
+    same value typed on the command line is refused (the user's own flag is never ignored)."""
+    shipped = find_recipe("tiny-flux-kontext-edit-grpo").path.read_text()
+    recipe = tmp_path / "edit-detach.yaml"
+    recipe.write_text(shipped.replace("diffusion_cfg_uncond_grad: full", "diffusion_cfg_uncond_grad: detach"))
+    recipe = str(recipe)
     assert resolve(None, recipe=recipe).args.diffusion_cfg_uncond_grad == "detach"
     found = resolve(None, recipe=recipe, cli=cli)
     assert found.args.diffusion_cfg_uncond_grad == "full"
