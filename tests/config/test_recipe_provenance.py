@@ -29,6 +29,7 @@ GPU_RECIPES = {
     "flux-pickscore-grpo",
     "flux-kontext-edit-grpo",
     "qwen-image-pickscore-grpo",
+    "qwen-image-edit-grpo",
     "wan22-pickscore-grpo",
     "wan22-i2v-grpo",
     "wan22-lora-sft",

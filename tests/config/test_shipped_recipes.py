@@ -75,6 +75,7 @@ def test_the_gpu_recipes() -> None:
         "flux-kontext-edit-grpo",
         "flux-pickscore-grpo",
         "ltx23-pickscore-grpo",
+        "qwen-image-edit-grpo",
         "qwen-image-pickscore-grpo",
         "sd3-ocr-grpo",
         "sd3-pickscore-nft",

@@ -22,6 +22,7 @@ TRAINABLE = {
     "flux-kontext-edit-grpo": {"actor": 216_662_016},  # r64 on flow_grpo's 13 targets (the flux 14 less proj_out)
     "flux-pickscore-grpo": {"actor": 261_689_344},  # r64 (r32: 130,844,672, exactly half)
     "ltx23-pickscore-grpo": {"actor": 616_562_688},  # r64
+    "qwen-image-edit-grpo": {"actor": 424_673_280},  # r64 on the qwen_image family's 12 (Qwen-Image's DiT)
     "qwen-image-pickscore-grpo": {"actor": 424_673_280},  # r64
     "sd3-ocr-grpo": {"actor": 18_776_064},  # r32 on the joint attention (attn.*)
     "sd3-pickscore-nft": {"actor": 18_776_064},  # r32

@@ -41,6 +41,7 @@ def _peak(out: str) -> float:
         "sd35-4step",
         "sd3-ocr-grpo",
         "qwen-image-pickscore-grpo",
+        "qwen-image-edit-grpo",  # the same tiles at 512 px, with a ~1 MP source after the generated tokens
         "wan22-pickscore-grpo",  # fits on 80 GiB since the trainer's frozen base leaves before the LoRA-only sync
         "wan22-i2v-grpo",  # the same layout on the I2V experts, on the in-process engines
     ],

@@ -18,6 +18,7 @@ GPU_RECIPES = {
     "flux-kontext-edit-grpo": "black-forest-labs/FLUX.1-Kontext-dev",
     "flux-pickscore-grpo": "black-forest-labs/FLUX.1-dev",
     "ltx23-pickscore-grpo": "Lightricks/LTX-2",
+    "qwen-image-edit-grpo": "Qwen/Qwen-Image-Edit-2511",
     "qwen-image-pickscore-grpo": "Qwen/Qwen-Image",
     "sd3-ocr-grpo": "stabilityai/stable-diffusion-3.5-medium",
     "sd3-pickscore-nft": "stabilityai/stable-diffusion-3.5-medium",
