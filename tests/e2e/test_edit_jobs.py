@@ -81,6 +81,7 @@ def test_live_training_and_its_replay_agree(tiny_flux_kontext_dir: Path, edit_ro
             assert row[key] == pytest.approx(original[key], rel=1e-6, abs=1e-9), key
 
 
+@pytest.mark.extended  # 40 s; the recompute's exactness is tested per step in tests/models/test_flux_kontext.py
 def test_frozen_weights_recompute_the_rollout_exactly(tiny_flux_kontext_dir: Path, edit_rows, tmp_path: Path) -> None:
     probe = ("--num-rollout", "1", "--debug-skip-optimizer-step", "--diffusion-debug-mode")
     rows = _rl(tiny_flux_kontext_dir, edit_rows, tmp_path / "frozen", *probe, "--diffusion-true-cfg-scale", "2.0")

@@ -321,7 +321,7 @@ def test_the_rules_refuse_sglang_dmd2_offline_dpo_and_the_first_edit_model() -> 
     assert "QwenImageEditPipeline" in _fails("rl", hf_checkpoint="Qwen/Qwen-Image-Edit")
 
 
-@pytest.mark.slow  # traces the real-size step on fake tensors: minutes on 2 cores
+@pytest.mark.extended  # traces the real-size step on fake tensors: 68 s on 2 cores
 def test_the_real_lora_grpo_plan_fits_80_gib(capsys: pytest.CaptureFixture) -> None:
     """`miles plan` of a LoRA Flow-GRPO job on the real Qwen-Image-Edit-2511 (its shipped configs) at the pipeline's
     1024 x 1024 with a source of that size, true CFG, one sample per micro-batch, on 4 colocated 80 GiB GPUs (the

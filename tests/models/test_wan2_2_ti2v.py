@@ -209,7 +209,7 @@ def test_the_rules_refuse_sglang_dmd2_offline_dpo_one_frame_and_a_second_scale()
     assert "trains and syncs transformer" in _fails("rl", update_weight_target_module="transformer,transformer_2")
 
 
-@pytest.mark.slow  # traces the real-size step on fake tensors: ~40 s
+@pytest.mark.extended  # traces the real-size step on fake tensors: 27-40 s on 2 cores
 def test_the_real_lora_grpo_plan_fits_80_gib(capsys: pytest.CaptureFixture) -> None:
     """`miles plan` of a LoRA Flow-GRPO job on the real TI2V-5B (its shipped configs), 33 frames at 704x1280 on one
     80 GiB GPU: what a user's first run would ask."""
