@@ -50,6 +50,7 @@ def _rl(checkpoint: Path, rows: dict[str, Path], out: Path, *extra: str) -> list
     return read_metrics(out / "metrics.jsonl")
 
 
+@pytest.mark.extended  # 67 s; the default run replays text-to-image rollouts (tests/e2e) and recomputes Kontext exactly
 def test_live_training_and_its_replay_agree(tiny_flux_kontext_dir: Path, edit_rows, tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     common = ("--num-rollout", "2", "--deterministic-mode", "--lr", "1e-3")
