@@ -148,21 +148,30 @@ def make_text_encoder(seed: int, tokenizer: Any) -> Any:
     return UMT5EncoderModel(config).eval()
 
 
-def make_transformer(seed: int, name: str = "transformer", in_channels: int = LATENT_CHANNELS) -> Any:
+def make_transformer(
+    seed: int,
+    name: str = "transformer",
+    in_channels: int = LATENT_CHANNELS,
+    patch_size: tuple[int, int, int] = PATCH_SIZE,
+    num_attention_heads: int = NUM_ATTENTION_HEADS,
+    attention_head_dim: int = ATTENTION_HEAD_DIM,
+    ffn_dim: int = FFN_DIM,
+) -> Any:
     """One tiny `WanTransformer3DModel` expert (random); `name` ("transformer" or "transformer_2") picks its seed;
-    `in_channels` more than the latents' where a condition is concatenated on the channels (tiny-wan2_2-i2v)."""
+    `in_channels` more than the latents' where a condition is concatenated on the channels (tiny-wan2_2-i2v); the
+    patch and the width (heads, head dim, FFN) other than tiny-wan2_2's for another layout (tiny-wan2_2-ti2v's)."""
     from diffusers import WanTransformer3DModel
 
     seeded(seed, name, SEED_OFFSETS)
     return WanTransformer3DModel(
-        patch_size=PATCH_SIZE,
-        num_attention_heads=NUM_ATTENTION_HEADS,
-        attention_head_dim=ATTENTION_HEAD_DIM,
+        patch_size=patch_size,
+        num_attention_heads=num_attention_heads,
+        attention_head_dim=attention_head_dim,
         in_channels=in_channels,
         out_channels=LATENT_CHANNELS,
         text_dim=TEXT_DIM,
         freq_dim=FREQ_DIM,
-        ffn_dim=FFN_DIM,
+        ffn_dim=ffn_dim,
         num_layers=NUM_LAYERS,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",

@@ -19,20 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from miles.builtin.tiny.build import BuildReport
-from miles.builtin.tiny.components import seeded
 from miles.builtin.tiny.wan2_2 import (
-    FREQ_DIM,
     LATENT_CHANNELS,
     SCHEDULER_CONFIG,
-    SEED_OFFSETS,
     SPATIAL_COMPRESSION,
     TEMPORAL_COMPRESSION,
-    TEXT_DIM,
     VAE_STEPS,
     TinyWan22Build,
     make_scheduler,
     make_vae,
 )
+from miles.builtin.tiny.wan2_2 import make_transformer as make_wan_transformer
 from miles.models.tiny.metadata import current_design
 
 __all__ = ["TINY_WAN2_2_TI2V_NAME", "BuildReport", "build_tiny_wan2_2_ti2v", "make_scheduler", "make_vae"]
@@ -42,29 +39,19 @@ SGLANG_MODEL_ID = "Wan2.2-TI2V-5B-Diffusers"
 PATCH_SIZE = (1, 2, 2)  # Wan's own, the one the pipeline's per-token timesteps assume
 NUM_ATTENTION_HEADS = 4
 ATTENTION_HEAD_DIM = 32  # RoPE splits it (frame, row, col) = (12, 10, 10)
-NUM_LAYERS = 2
 FFN_DIM = 2 * NUM_ATTENTION_HEADS * ATTENTION_HEAD_DIM
 
 
 def make_transformer(seed: int) -> Any:
-    """The tiny TI2V transformer (random): latents in and out (`z` channels), Wan's 2x2 patch."""
-    from diffusers import WanTransformer3DModel
-
-    seeded(seed, "transformer", SEED_OFFSETS)
-    return WanTransformer3DModel(
+    """The tiny TI2V transformer (random): tiny-wan2_2's first expert's seed, latents in and out (`z` channels),
+    Wan's 2x2 patch, 4 heads x 32."""
+    return make_wan_transformer(
+        seed,
+        "transformer",
         patch_size=PATCH_SIZE,
         num_attention_heads=NUM_ATTENTION_HEADS,
         attention_head_dim=ATTENTION_HEAD_DIM,
-        in_channels=LATENT_CHANNELS,
-        out_channels=LATENT_CHANNELS,
-        text_dim=TEXT_DIM,
-        freq_dim=FREQ_DIM,
         ffn_dim=FFN_DIM,
-        num_layers=NUM_LAYERS,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=1024,
     )
 
 
