@@ -78,7 +78,8 @@ def _shapes(family: Any, configs: Mapping[str, Any], args: Any, checkpoint: Any)
             int(args.diffusion_output_num_frames or 1),
         )
     )
-    conds = {**conds, **family.example_media_conditions(latent)}
+    pipe.name_or_path = str(checkpoint)  # as a loaded pipeline's: where a tiny build's metadata is read
+    conds = {**conds, **family.example_media_conditions(latent, pipe)}
     conditions = tuple((n, None if s is None else tuple(int(x) for x in s), d) for n, (s, d) in sorted(conds.items()))
     return latent, conditions
 

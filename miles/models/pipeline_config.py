@@ -491,9 +491,13 @@ class TrainPipelineConfig(SglangAdapter):
         no activation estimate."""
         raise NotImplementedError(f"model family {self.name!r} does not describe its conditions (example_conditions)")
 
-    def example_media_conditions(self, latent_shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    def example_media_conditions(
+        self, latent_shape: tuple[int, ...], pipe: Any = None
+    ) -> dict[str, tuple[tuple[int, ...], str | None]]:
         """The condition inputs `encode_media` adds, as `example_conditions` describes its own, for a sample of
-        `latent_shape` (one sample, no batch dimension): the memory plan's case. Default: none."""
+        `latent_shape` (one sample, no batch dimension): the memory plan's case. `pipe`: the plan's `config_pipe`
+        with the checkpoint as `name_or_path`, for a family whose sources' size is the checkpoint's (e.g.
+        qwen_image_edit's VAE copy at ~1 MP whatever the output's size). Default: none."""
         return {}
 
     def encode_media(self, pipe: Any, images: list[Any], height: int, width: int) -> dict[str, Any]:

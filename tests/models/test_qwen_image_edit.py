@@ -11,6 +11,7 @@ on the source (the vision-language encoder saw it); a recorded SDE transition re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +145,10 @@ def test_the_engine_runs_the_plus_pipeline(case) -> None:
     assert engine.pipe.processor is not None  # made from processor/ (no torchvision here)
     assert engine.pipe.transformer.config.zero_cond_t  # 2511's: the source tokens at timestep 0
     assert engine.family.image_areas(engine.pipe) == (384 * 384, 64 * 64)
+    latent = engine.family.latent_shape(engine.pipe, 64, 64, 1)
+    example = engine.family.example_media_conditions(latent, engine.pipe)  # the memory plan's source at 64 px
+    source = engine.family.encode_sources(engine.pipe, [Image.new("RGB", (64, 64))])[1]["ref_tokens"]
+    assert example["ref_tokens"][0] == tuple(source.shape[1:])
     assert engine.pipe.processor.image_processor.size["longest_edge"] == 56 * 56  # 4 image tokens per source
 
 
@@ -230,21 +235,66 @@ def test_two_sources_reproduce_the_pipeline(tiny_qwen_image_edit_dir: Path, sour
     assert samples[0].conditions.positive["ref_grid"].tolist() == [[8.0, 8.0], [8.0, 8.0]]
 
 
-def test_a_traced_source_takes_the_outputs_grid() -> None:
-    """Under the memory plan's fake tensors a recorded grid cannot be read: sources the output's size (the plan's
-    example) take the output's grid, any other is refused; a real grid is read as recorded."""
+def test_a_traced_source_takes_the_outputs_aspect() -> None:
+    """Under the memory plan's fake tensors a recorded grid cannot be read: K sources share the traced tokens equally,
+    each with the output's aspect (a square output: a square source of any size, e.g. the ~1 MP VAE copy after a
+    512 px output), tokens K sources cannot share are refused; a real grid is read as recorded."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from miles.models.qwen_image_edit.config import source_grids
+    from miles.models.qwen_image_edit.config import source_grids, traced_grid
 
     assert source_grids(torch.tensor([[6, 10], [8, 8]]), 31, (8, 8)) == [(6, 10), (8, 8)]
     assert source_grids(torch.tensor([[[6.0, 10.0]], [[6.0, 10.0]]]), 15, (8, 8)) == [(6, 10)]  # a batch's row 0
     with FakeTensorMode():
         fake = torch.empty(1, 2)
     assert source_grids(fake, 16, (8, 8)) == [(8, 8)]
+    assert source_grids(fake, 4096, (64, 64)) == [(128, 128)]  # 512 px generated, the source's 1 MP VAE copy
     assert source_grids(torch.empty(2, 2, device="meta"), 32, (8, 8)) == [(8, 8), (8, 8)]
-    with pytest.raises(ValueError, match="only sources the output's size are traced"):
-        source_grids(fake, 12, (8, 8))
+    assert traced_grid(52 * 78, (64, 96)) == (104, 156) and traced_grid(52 * 78, (96, 64)) == (156, 104)
+    with pytest.raises(ValueError, match="only equal sources are traced"):
+        source_grids(torch.empty(2, 2, device="meta"), 33, (8, 8))
+
+
+def test_the_copies_are_the_pipelines() -> None:
+    """The engine's and the memory plan's torch-free `copy_size` and areas are `QwenImageEditPlusPipeline`'s
+    `calculate_dimensions` and module constants."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    from miles.models.qwen_image_edit import config
+
+    assert (config.CONDITION_IMAGE_SIZE, config.VAE_IMAGE_SIZE) == (plus.CONDITION_IMAGE_SIZE, plus.VAE_IMAGE_SIZE)
+    for area in (plus.CONDITION_IMAGE_SIZE, plus.VAE_IMAGE_SIZE, 64 * 64):
+        for w, h in ((512, 512), (64, 64), (640, 480), (480, 640), (1920, 1080), (333, 1999), (1024, 1024)):
+            assert config.copy_size(area, w, h) == plus.calculate_dimensions(area, w / h), (area, w, h)
+
+
+def test_the_plan_traces_the_source_the_engine_encodes(tmp_path: Path) -> None:
+    """`miles plan`'s example source is the VAE copy the engine encodes, ~1 MP whatever the output: at
+    qwen-image-edit-grpo's 512 x 512, 1,024 generated packed tokens and 4,096 of the source (not the output's 1,024);
+    the pipeline's own sizes at other aspects; a tiny build's area from its metadata."""
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    from miles.memory import step
+    from miles.memory.config_dirs import shipped_config_dir
+    from miles.models.families import get_family
+    from miles.models.qwen_image_edit.config import AREAS_KEY
+
+    family = get_family("qwen_image_edit")
+    args = resolve(None, recipe="qwen-image-edit-grpo").args
+    configs = step.read_configs(shipped_config_dir(family, str(args.hf_checkpoint)))
+    latent, conditions = step._shapes(family, configs, args, args.hf_checkpoint)
+    shapes = {name: shape for name, shape, _ in conditions}
+    assert latent == (16, 64, 64) and shapes["ref_tokens"] == (4096, 64) and shapes["ref_grid"] == (1, 2)
+    for height, width in ((1024, 1024), (512, 768), (768, 512), (384, 1024)):
+        args = resolve(None, recipe="qwen-image-edit-grpo", cli={"diffusion_height": height, "diffusion_width": width})
+        _, conditions = step._shapes(family, configs, args.args, args.args.hf_checkpoint)
+        vw, vh = plus.calculate_dimensions(plus.VAE_IMAGE_SIZE, width / height)
+        assert dict((n, s) for n, s, _ in conditions)["ref_tokens"] == ((vh // 16) * (vw // 16), 64), (height, width)
+    (tmp_path / "miles_tiny.json").write_text(json.dumps({AREAS_KEY: {"condition": 384 * 384, "vae": 64 * 64}}))
+    tiny = SimpleNamespace(vae_scale_factor=8, name_or_path=str(tmp_path))
+    assert family.example_media_conditions((16, 8, 8), tiny)["ref_tokens"] == ((16, 64), None)
 
 
 def test_a_batch_takes_one_source_geometry() -> None:

@@ -101,7 +101,7 @@ class FluxKontextTrainPipelineConfig(FluxTrainPipelineConfig):
         )[0]
         return unpack_latents(out[:, :n_gen], h, w)
 
-    def example_media_conditions(self, latent_shape: tuple[int, ...]) -> dict[str, Any]:
+    def example_media_conditions(self, latent_shape: tuple[int, ...], pipe: Any = None) -> dict[str, Any]:
         """A source the size of the output (as many packed tokens as the generated image): the memory plan's case
         of an edit at the output's resolution."""
         c, h, w = latent_shape[-3:]

@@ -4,8 +4,8 @@ Torch-free at import. Everything of `qwen_image` holds (the 20B MM-DiT over 2x2-
 the per-token norm rescale, the dynamic shift from the *generated* token count, the per-channel VAE statistics); what
 the Plus pipeline adds is one to three source images per prompt row, each used twice:
   * the vision-language copy: the source resized to `CONDITION_IMAGE_SIZE` (384 x 384) area, aspect kept, sides
-    multiples of 32 (the pipeline's `calculate_dimensions`), which Qwen2.5-VL's image processor then cuts into
-    14-pixel patches (about 196 image tokens at 384 x 384). The text condition is the Plus template with
+    multiples of 32 (`copy_size`: the pipeline's `calculate_dimensions`), which Qwen2.5-VL's image processor then
+    cuts into 14-pixel patches (about 196 image tokens at 384 x 384). The text condition is the Plus template with
     "Picture k: <|vision_start|><|image_pad|><|vision_end|>" before the instruction, encoded *with* the images
     (`pipe.encode_prompt(image=...)`): the text states carry the image's VLM states, so they depend on the source.
     The negative prompt is encoded with the same images;
@@ -14,7 +14,8 @@ the Plus pipeline adds is one to three source images per prompt row, each used t
     A tiny build states smaller areas in its `miles_tiny.json` (`edit_image_areas`): at 64 pixels a 1 MP source
     would be 4,096 tokens beside 16 generated ones. The latents (posterior mode, normalised per channel) are packed
     2x2 as the generated ones: `ref_tokens` [1, N_ref, 4C], and each source's latent grid (h, w) is `ref_grid`
-    [1, K, 2];
+    [1, K, 2]. The memory plan traces one source of the output's aspect sized by the same function
+    (`example_media_conditions`): at 512 x 512, 1,024 generated tokens, then 4,096 of the source;
   * every step runs the DiT on `[pack(x_t) ; ref_tokens]` with `img_shapes = [[(1, h/2, w/2), (1, h_1/2, w_1/2),
     ...]]` per row (the generated grid, then each source's: RoPE frame index k for item k) and keeps the first N_gen
     outputs: the source tokens are inputs only, never noised, stepped, in a log-prob or in a loss.
@@ -34,6 +35,7 @@ path and is refused by name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,9 +43,11 @@ from miles.models.families import register_train_pipeline_config
 from miles.models.flux.config import pack_latents, unpack_latents
 from miles.models.qwen_image.config import QwenImageTrainPipelineConfig
 
-# QwenImageEditPlusPipeline's module constants (diffusers 0.42.1): the areas of the two copies of a source
+# QwenImageEditPlusPipeline's module constants (diffusers 0.42.1): the areas of the two copies of a source. The engine
+# and the memory plan read these (torch-free), tests/models/test_qwen_image_edit.py pins them to diffusers'
 CONDITION_IMAGE_SIZE = 384 * 384
 VAE_IMAGE_SIZE = 1024 * 1024
+COPY_MULTIPLE = 32  # the copies' sides, in pixels
 AREAS_KEY = "edit_image_areas"  # a tiny build's miles_tiny.json: {"condition": px, "vae": px}
 # Qwen2.5-VL's image patches: 14 pixels, 2x2 merged into one token
 VL_PATCH = 14
@@ -52,6 +56,27 @@ VL_MERGE = 2
 VL_PICTURE_TOKENS = 8
 TEXT_KEYS = ("encoder_hidden_states", "encoder_hidden_states_mask")
 SOURCE_KEYS = ("ref_tokens", "ref_grid")
+
+
+def copy_size(area: int, width: int, height: int) -> tuple[int, int]:
+    """(width, height) of a `width` x `height` source's copy at `area` pixels, as `QwenImageEditPlusPipeline`
+    resizes it (diffusers' `calculate_dimensions`: the aspect kept, each side rounded to a multiple of 32); torch-free,
+    so the engine and the memory plan size a source by the same function (tests pin it to diffusers')."""
+    ratio = width / height
+    w = math.sqrt(area * ratio)
+    h = w / ratio
+    return round(w / COPY_MULTIPLE) * COPY_MULTIPLE, round(h / COPY_MULTIPLE) * COPY_MULTIPLE
+
+
+def traced_grid(tokens: int, output_grid: tuple[int, int]) -> tuple[int, int]:
+    """The latent grid (h, w) of one source of `tokens` packed tokens with the output's aspect: the whole 2x2-packed
+    grid (a, b), a * b = tokens, whose a / b is nearest the output's h / w (the plan's example: a square output
+    gives a square source)."""
+    h, w = output_grid
+    pairs = [(d, tokens // d) for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0]
+    pairs += [(b, a) for a, b in pairs]
+    a, b = min(pairs, key=lambda p: abs(math.log(p[0] / p[1]) - math.log(h / w)))
+    return 2 * a, 2 * b
 
 
 def vl_image_tokens(area: int = CONDITION_IMAGE_SIZE) -> int:
@@ -64,16 +89,15 @@ def vl_image_tokens(area: int = CONDITION_IMAGE_SIZE) -> int:
 def source_grids(grid: Any, tokens: int, output_grid: tuple[int, int]) -> list[tuple[int, int]]:
     """Each source's latent grid (h, w), read from a row's recorded `ref_grid` [K, 2] (a batch's [B, K, 2]: its first
     row, as a batch shares its geometry). Under the memory plan's trace (fake or meta tensors, whose values cannot be
-    read) each of the K sources is the output's size when the tokens add up to that, the plan's example
-    (`example_media_conditions`); otherwise a ValueError."""
+    read) the K sources share the tokens equally and have the output's aspect (`traced_grid`), as the plan's example
+    (`example_media_conditions`); tokens that K sources cannot share equally are a ValueError."""
     from torch._subclasses.fake_tensor import is_fake
 
     k = int(grid.shape[-2])
     if is_fake(grid) or grid.device.type == "meta":
-        h, w = output_grid
-        if tokens != k * (h // 2) * (w // 2):
-            raise ValueError(f"a traced source of {tokens} packed tokens: only sources the output's size are traced")
-        return [(h, w)] * k
+        if tokens % k:
+            raise ValueError(f"a traced batch of {k} sources in {tokens} packed tokens: only equal sources are traced")
+        return [traced_grid(tokens // k, output_grid)] * k
     return [(int(a), int(b)) for a, b in grid.reshape(-1, k, 2)[0].tolist()]
 
 
@@ -139,32 +163,33 @@ class QwenImageEditTrainPipelineConfig(QwenImageTrainPipelineConfig):
 
     # ---- the sources' two copies -------------------------------------------------------------------------------
     def image_areas(self, pipe: Any) -> tuple[int, int]:
-        """(the VLM copy's area, the VAE copy's area) in pixels: a tiny build's `edit_image_areas`, else the
-        pipeline module's `CONDITION_IMAGE_SIZE` and `VAE_IMAGE_SIZE` (read when called)."""
-        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
-
+        """(the VLM copy's area, the VAE copy's area) in pixels: a tiny build's `edit_image_areas` (its metadata in
+        the folder `pipe.name_or_path`), else the pipeline's `CONDITION_IMAGE_SIZE` and `VAE_IMAGE_SIZE`. Torch-free:
+        `pipe` may be the memory plan's stand-in (`config_pipe` with the checkpoint as `name_or_path`)."""
         from miles.models.tiny.metadata import read_metadata
 
         meta = read_metadata(pipe.name_or_path) if getattr(pipe, "name_or_path", None) else None
         areas = (meta or {}).get(AREAS_KEY)
         if areas:
             return int(areas["condition"]), int(areas["vae"])
-        return int(plus.CONDITION_IMAGE_SIZE), int(plus.VAE_IMAGE_SIZE)
+        return CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE
+
+    def copy_sizes(self, pipe: Any, width: int, height: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((width, height) of the VLM copy, (width, height) of the VAE copy) of a `width` x `height` source: each
+        `copy_size` at its `image_areas`. The engine encodes these; the memory plan traces the VAE copy's tokens."""
+        condition_area, vae_area = self.image_areas(pipe)
+        return copy_size(condition_area, width, height), copy_size(vae_area, width, height)
 
     def encode_sources(self, pipe: Any, images: list[Any]) -> tuple[list[Any], dict[str, Any]]:
         """(the VLM copies as PIL images, {`ref_tokens` [1, N_ref, 4C], `ref_grid` [1, K, 2]}): each source resized
-        as the pipeline resizes it (`calculate_dimensions` at each area, the pipeline's image processor), the VAE
-        copies encoded (posterior mode), normalised per channel and packed, in the rows' order."""
+        as the pipeline resizes it (`copy_sizes`: `calculate_dimensions` at each area; the pipeline's image
+        processor), the VAE copies encoded (posterior mode), normalised per channel and packed, in the rows' order."""
         import torch
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
 
-        condition_area, vae_area = self.image_areas(pipe)
         vae = pipe.vae
         copies, tokens, grids = [], [], []
         for image in images:
-            w, h = image.size
-            cw, ch = calculate_dimensions(condition_area, w / h)
-            vw, vh = calculate_dimensions(vae_area, w / h)
+            (cw, ch), (vw, vh) = self.copy_sizes(pipe, *image.size)
             copies.append(pipe.image_processor.resize(image, ch, cw))
             pixels = pipe.image_processor.preprocess(image, vh, vw).unsqueeze(2)
             z = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode()
@@ -286,11 +311,18 @@ class QwenImageEditTrainPipelineConfig(QwenImageTrainPipelineConfig):
         markers in the text."""
         return super().example_conditions(configs, int(text_length) + vl_image_tokens() + VL_PICTURE_TOKENS)
 
-    def example_media_conditions(self, latent_shape: tuple[int, ...]) -> dict[str, Any]:
-        """One source the size of the output (as many packed tokens as the generated image): the pipeline's case at
-        its default ~1 MP output, whose VAE copy is ~1 MP too."""
-        c, h, w = latent_shape[-3:]
-        return {"ref_tokens": (((h // 2) * (w // 2), 4 * c), None), "ref_grid": ((1, 2), "float32")}
+    def example_media_conditions(self, latent_shape: tuple[int, ...], pipe: Any = None) -> dict[str, Any]:
+        """One source of the output's aspect as the engine encodes it: its VAE copy at `image_areas`' VAE area
+        (`copy_sizes`, ~1 MP whatever the output's size: 4,096 packed tokens after the 1,024 generated at 512 x 512;
+        a tiny build's own area), in latents of `pipe.vae_scale_factor` (`pipe`: the plan's `config_pipe`, its
+        `name_or_path` the checkpoint, or a loaded pipeline)."""
+        if pipe is None:
+            raise TypeError(f"model family {self.name!r}: the example source's size needs the pipeline (`pipe`)")
+        c, h, w = (int(x) for x in latent_shape[-3:])
+        scale = int(pipe.vae_scale_factor)
+        _, (vw, vh) = self.copy_sizes(pipe, w * scale, h * scale)
+        tokens = (vh // scale // 2) * (vw // scale // 2)
+        return {"ref_tokens": ((tokens, 4 * c), None), "ref_grid": ((1, 2), "float32")}
 
     # ---- validation --------------------------------------------------------------------------------------------
     def check_settings(self, res: Any, job: Any) -> None:

@@ -141,7 +141,7 @@ class Wan22I2VTrainPipelineConfig(Wan22TrainPipelineConfig):
         )
         return out[0]
 
-    def example_media_conditions(self, latent_shape: tuple[int, ...]) -> dict[str, Any]:
+    def example_media_conditions(self, latent_shape: tuple[int, ...], pipe: Any = None) -> dict[str, Any]:
         """The mask and the first frame's latents [T + z, f, h, w] for a sample of `latent_shape` (C, f, h, w)."""
         c, f, h, w = (int(x) for x in latent_shape[-4:])
         return {IMAGE_CONDITION: ((self.mask_channels + c, f, h, w), None)}

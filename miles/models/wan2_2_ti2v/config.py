@@ -130,7 +130,7 @@ class Wan22TI2VTrainPipelineConfig(Wan22TrainPipelineConfig):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         return {FIRST_FRAME: (latents - mean) * inv_std}
 
-    def example_media_conditions(self, latent_shape: tuple[int, ...]) -> dict[str, Any]:
+    def example_media_conditions(self, latent_shape: tuple[int, ...], pipe: Any = None) -> dict[str, Any]:
         """The first frame's latents [z, 1, h, w] for a sample of `latent_shape` (z, f, h, w)."""
         c, _, h, w = (int(x) for x in latent_shape[-4:])
         return {FIRST_FRAME: ((c, 1, h, w), None)}
