@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from miles.config.resolve import resolve
 from miles.models.flux.config import unpack_latents
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
@@ -32,46 +30,19 @@ CASES = {
         {"guidance_scale": 3.5, "true_cfg_scale": 2.0, "negative_prompt": " "},
     ),
 }
-_ENGINES: dict[str, DiffusersEngine] = {}
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two digits of the embedded test split as 64x64 RGB PNGs (the same kind of file a user's rows name)."""
-    from miles.data.digits import load_digits_split
-
-    split = load_digits_split()
-    folder = tmp_path_factory.mktemp("kontext-sources")
-    paths = []
-    for i in (0, 1):
-        digit = (split.test_x[i] * 255).round().astype(np.uint8)
-        image = Image.fromarray(digit).resize((64, 64), Image.NEAREST).convert("RGB")
-        paths.append(folder / f"src{i}.png")
-        image.save(paths[-1])
-    return paths
 
 
 @pytest.fixture(params=sorted(CASES))
-def case(request: pytest.FixtureRequest, tiny_flux_dir: Path) -> tuple[str, DiffusersEngine, dict]:
+def case(request: pytest.FixtureRequest, tiny_flux_dir: Path, make_engine) -> tuple[str, DiffusersEngine, dict]:
     flags, pipe_kwargs = CASES[request.param]
-    if request.param not in _ENGINES:
-        cli = {
-            "hf_checkpoint": str(tiny_flux_dir),
-            "diffusion_model_family": "flux_kontext",
-            "prompt_data": "digits-edit:train",
-            "rm_type": "digit_edit",
-            "rollout_batch_size": 2,
-            "n_samples_per_prompt": 4,
-            "diffusion_num_sde_steps": 3,
-            "actor_num_gpus_per_node": 1,
-            "num_gpus_per_node": 1,
-            "diffusion_forward_dtype": "fp32",
-            "diffusion_height": 64,
-            "diffusion_width": 64,
-            **flags,
-        }
-        _ENGINES[request.param] = DiffusersEngine(resolve("rl", cli=cli).args, device="cpu")
-    return request.param, _ENGINES[request.param], pipe_kwargs
+    engine = make_engine(
+        tiny_flux_dir,
+        diffusion_model_family="flux_kontext",
+        rollout_batch_size=2,
+        diffusion_num_sde_steps=3,
+        **flags,
+    )
+    return request.param, engine, pipe_kwargs
 
 
 def _request(engine: DiffusersEngine, source: Path, noise_level: float, sde_steps, seeds, steps: int = 6):
@@ -101,13 +72,13 @@ def test_the_engine_is_kontexts(case) -> None:
     assert type(engine.pipe).__name__ == "FluxKontextPipeline"
 
 
-def test_noise_level_zero_reproduces_the_pipeline(case, sources) -> None:
+def test_noise_level_zero_reproduces_the_pipeline(case, digit_pngs) -> None:
     name, engine, pipe_kwargs = case
     seeds = [5, 6]
-    samples = engine.generate([_request(engine, sources[0], 0.0, [[], []], seeds)])
+    samples = engine.generate([_request(engine, digit_pngs[0], 0.0, [[], []], seeds)])
     ours = torch.stack([s.trajectory.latents[-1] for s in samples])
     pipe = engine.pipe
-    with Image.open(sources[0]) as image:
+    with Image.open(digit_pngs[0]) as image:
         source = image.convert("RGB")
     common = dict(
         prompt=PROMPT,
@@ -137,17 +108,17 @@ def test_noise_level_zero_reproduces_the_pipeline(case, sources) -> None:
     assert len(samples[0].sources) == 1 and samples[0].sources[0].shape == (3, 64, 64)
 
 
-def test_the_source_changes_the_edit(case, sources) -> None:
+def test_the_source_changes_the_edit(case, digit_pngs) -> None:
     _, engine, _ = case
-    a = engine.generate([_request(engine, sources[0], 0.0, [[]], [5])])[0]
-    b = engine.generate([_request(engine, sources[1], 0.0, [[]], [5])])[0]
+    a = engine.generate([_request(engine, digit_pngs[0], 0.0, [[]], [5])])[0]
+    b = engine.generate([_request(engine, digit_pngs[1], 0.0, [[]], [5])])[0]
     assert (a.trajectory.latents[-1] - b.trajectory.latents[-1]).abs().max().item() > 1e-3
 
 
-def test_recorded_log_probs_are_reproduced_by_a_recompute(case, sources) -> None:
+def test_recorded_log_probs_are_reproduced_by_a_recompute(case, digit_pngs) -> None:
     name, engine, _ = case
     sde_steps = [[0, 1, 2], [2, 3], [4]]
-    samples = engine.generate([_request(engine, sources[0], 0.7, sde_steps, seeds=(11, 12, 13))])
+    samples = engine.generate([_request(engine, digit_pngs[0], 0.7, sde_steps, seeds=(11, 12, 13))])
     family, pipe = engine.family, engine.pipe
     for sample, steps in zip(samples, sde_steps, strict=True):
         traj = sample.trajectory

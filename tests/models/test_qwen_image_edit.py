@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -31,7 +30,6 @@ CASES = {
     "one-branch": ({"diffusion_true_cfg_scale": 1.0}, {"true_cfg_scale": 1.0}),
     "true-cfg": ({"diffusion_true_cfg_scale": 4.0}, {"true_cfg_scale": 4.0, "negative_prompt": " "}),
 }
-_ENGINES: dict[str, DiffusersEngine] = {}
 
 
 @pytest.fixture(scope="module")
@@ -47,47 +45,17 @@ def tiny_qwen_image_edit_dir(miles_session_home: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two digits of the embedded test split as 64x64 RGB PNGs (the same kind of file a user's rows name)."""
-    from miles.data.digits import load_digits_split
-
-    split = load_digits_split()
-    folder = tmp_path_factory.mktemp("qwen-edit-sources")
-    paths = []
-    for i in (0, 1):
-        digit = (split.test_x[i] * 255).round().astype(np.uint8)
-        image = Image.fromarray(digit).resize((64, 64), Image.NEAREST).convert("RGB")
-        paths.append(folder / f"src{i}.png")
-        image.save(paths[-1])
-    return paths
-
-
 @pytest.fixture(params=sorted(CASES))
-def case(request: pytest.FixtureRequest, tiny_qwen_image_edit_dir: Path) -> tuple[str, DiffusersEngine, dict]:
-    return (request.param, *_engine_of(request.param, tiny_qwen_image_edit_dir))
+def case(
+    request: pytest.FixtureRequest, tiny_qwen_image_edit_dir: Path, make_engine
+) -> tuple[str, DiffusersEngine, dict]:
+    return (request.param, *_engine_of(request.param, tiny_qwen_image_edit_dir, make_engine))
 
 
-def _engine_of(name: str, checkpoint: Path) -> tuple[DiffusersEngine, dict]:
+def _engine_of(name: str, checkpoint: Path, make_engine) -> tuple[DiffusersEngine, dict]:
     """The engine of case `name` (made once per module) and the pipeline's arguments for the same guidance."""
     flags, pipe_kwargs = CASES[name]
-    if name not in _ENGINES:
-        cli = {
-            "hf_checkpoint": str(checkpoint),
-            "prompt_data": "digits-edit:train",
-            "rm_type": "digit_edit",
-            "rollout_batch_size": 2,
-            "n_samples_per_prompt": 4,
-            "diffusion_num_sde_steps": 3,
-            "actor_num_gpus_per_node": 1,
-            "num_gpus_per_node": 1,
-            "diffusion_forward_dtype": "fp32",
-            "diffusion_height": 64,
-            "diffusion_width": 64,
-            **flags,
-        }
-        _ENGINES[name] = DiffusersEngine(resolve("rl", cli=cli).args, device="cpu")
-    return _ENGINES[name], pipe_kwargs
+    return make_engine(checkpoint, rollout_batch_size=2, diffusion_num_sde_steps=3, **flags), pipe_kwargs
 
 
 def _request(engine: DiffusersEngine, media: tuple[Path, ...], noise_level: float, sde_steps, seeds, steps: int = 6):
@@ -153,17 +121,17 @@ def test_the_engine_runs_the_plus_pipeline(case) -> None:
 
 
 @pytest.mark.slow
-def test_noise_level_zero_reproduces_the_pipeline(case, sources, monkeypatch) -> None:
+def test_noise_level_zero_reproduces_the_pipeline(case, digit_pngs, monkeypatch) -> None:
     name, engine, pipe_kwargs = case
     seeds = [5, 6]
-    samples = engine.generate([_request(engine, (sources[0],), 0.0, [[], []], seeds)])
+    samples = engine.generate([_request(engine, (digit_pngs[0],), 0.0, [[], []], seeds)])
     ours = torch.stack([s.trajectory.latents[-1] for s in samples])
-    packed = _pipeline_latents(engine, (sources[0],), seeds, pipe_kwargs, monkeypatch, output_type="latent")
+    packed = _pipeline_latents(engine, (digit_pngs[0],), seeds, pipe_kwargs, monkeypatch, output_type="latent")
     ref = unpack_latents(packed.float(), 8, 8)
     assert ours.shape == ref.shape == (2, engine.family.latent_channels(engine.pipe), 8, 8)  # the generated part
     diff = (ours - ref).abs().max().item()
     assert diff <= 1e-5, (name, diff)
-    images = _pipeline_latents(engine, (sources[0],), seeds, pipe_kwargs, monkeypatch, output_type="pt")
+    images = _pipeline_latents(engine, (digit_pngs[0],), seeds, pipe_kwargs, monkeypatch, output_type="pt")
     got = torch.stack([s.image for s in samples])
     assert (got - images.float()).abs().max().item() <= 1e-5, name
     # the source's tokens and grid are recorded with both branches; the sample carries its source for rewards
@@ -178,12 +146,12 @@ def test_noise_level_zero_reproduces_the_pipeline(case, sources, monkeypatch) ->
 
 
 @pytest.mark.slow
-def test_the_text_states_read_the_source(case, sources) -> None:
+def test_the_text_states_read_the_source(case, digit_pngs) -> None:
     """The recorded text states were encoded with the source: another source gives other states (and another
     edit); the prompt alone, without the picture, is shorter."""
     _, engine, _ = case
-    a = engine.generate([_request(engine, (sources[0],), 0.0, [[]], [5])])[0]
-    b = engine.generate([_request(engine, (sources[1],), 0.0, [[]], [5])])[0]
+    a = engine.generate([_request(engine, (digit_pngs[0],), 0.0, [[]], [5])])[0]
+    b = engine.generate([_request(engine, (digit_pngs[1],), 0.0, [[]], [5])])[0]
     text_a, text_b = a.conditions.positive["encoder_hidden_states"], b.conditions.positive["encoder_hidden_states"]
     assert text_a.shape == text_b.shape and (text_a - text_b).abs().max().item() > 1e-4
     alone, _ = engine.family.encode_prompts(engine.pipe, [PROMPT], None, False, engine.max_sequence_length)
@@ -192,10 +160,10 @@ def test_the_text_states_read_the_source(case, sources) -> None:
 
 
 @pytest.mark.slow
-def test_recorded_log_probs_are_reproduced_by_a_recompute(case, sources) -> None:
+def test_recorded_log_probs_are_reproduced_by_a_recompute(case, digit_pngs) -> None:
     name, engine, _ = case
     sde_steps = [[0, 1, 2], [2, 3], [4]]
-    samples = engine.generate([_request(engine, (sources[0],), 0.7, sde_steps, seeds=(11, 12, 13))])
+    samples = engine.generate([_request(engine, (digit_pngs[0],), 0.7, sde_steps, seeds=(11, 12, 13))])
     family, pipe = engine.family, engine.pipe
     worst = 0.0
     for sample, steps in zip(samples, sde_steps, strict=True):
@@ -223,11 +191,13 @@ def test_recorded_log_probs_are_reproduced_by_a_recompute(case, sources) -> None
 
 
 @pytest.mark.slow
-def test_two_sources_reproduce_the_pipeline(tiny_qwen_image_edit_dir: Path, sources, monkeypatch) -> None:
+def test_two_sources_reproduce_the_pipeline(
+    tiny_qwen_image_edit_dir: Path, digit_pngs, make_engine, monkeypatch
+) -> None:
     """Two pictures per row: "Picture 1", "Picture 2" in the text, both sources' tokens after the generated ones
     (RoPE frame indices 1 and 2), as the pipeline runs them."""
-    engine, pipe_kwargs = _engine_of("one-branch", tiny_qwen_image_edit_dir)
-    media = (sources[0], sources[1])
+    engine, pipe_kwargs = _engine_of("one-branch", tiny_qwen_image_edit_dir, make_engine)
+    media = (digit_pngs[0], digit_pngs[1])
     samples = engine.generate([_request(engine, media, 0.0, [[]], [7])])
     packed = _pipeline_latents(engine, media, [7], pipe_kwargs, monkeypatch, output_type="latent")
     assert (samples[0].trajectory.latents[-1][None] - unpack_latents(packed.float(), 8, 8)).abs().max() <= 1e-5

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from miles.config.resolve import resolve
 from miles.rollout.engines.base import GenerateRequest
 from miles.rollout.engines.diffusers_engine import DiffusersEngine
 from miles.sampling.sde import sde_step
@@ -63,25 +61,8 @@ def tiny_wan2_2_i2v_dir(miles_session_home: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def frames(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two digits of the embedded test split as 64x64 RGB PNGs (first frames, as a user's rows name them)."""
-    from miles.data.digits import load_digits_split
-
-    split = load_digits_split()
-    folder = tmp_path_factory.mktemp("i2v-frames")
-    paths = []
-    for i in (0, 1):
-        digit = (split.test_x[i] * 255).round().astype(np.uint8)
-        image = Image.fromarray(digit).resize((64, 64), Image.NEAREST).convert("RGB")
-        paths.append(folder / f"frame{i}.png")
-        image.save(paths[-1])
-    return paths
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_wan2_2_i2v_dir: Path) -> DiffusersEngine:
-    args = resolve("rl", cli={**SMALL, "hf_checkpoint": str(tiny_wan2_2_i2v_dir)}).args
-    return DiffusersEngine(args, device="cpu")
+def engine(tiny_wan2_2_i2v_dir: Path, make_engine) -> DiffusersEngine:
+    return make_engine(tiny_wan2_2_i2v_dir, **SMALL)
 
 
 def _request(frame: Path, noise_level: float, sde_steps, seeds) -> GenerateRequest:
@@ -163,7 +144,7 @@ def test_the_engine_is_i2v(engine: DiffusersEngine) -> None:
 
 
 @pytest.mark.slow
-def test_noise_level_zero_reproduces_the_pipeline(engine: DiffusersEngine, frames, monkeypatch) -> None:
+def test_noise_level_zero_reproduces_the_pipeline(engine: DiffusersEngine, digit_pngs, monkeypatch) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 
@@ -171,14 +152,14 @@ def test_noise_level_zero_reproduces_the_pipeline(engine: DiffusersEngine, frame
     # same without it, and is what the family encodes with
     monkeypatch.setattr(pipeline_wan_i2v, "basic_clean", pipeline_wan.basic_clean)
     seeds = [5, 6]
-    samples = engine.generate([_request(frames[0], 0.0, [[], []], seeds)])
+    samples = engine.generate([_request(digit_pngs[0], 0.0, [[], []], seeds)])
     timesteps = samples[0].trajectory.timesteps
     # shift 12 at 6 steps, boundary 0.9: three high-noise steps, then three low-noise ones
     assert [engine.transformer.expert_for(t) for t in timesteps] == ["transformer"] * 3 + ["transformer_2"] * 3
     pipe = engine.pipe
     shipped = pipe.scheduler
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shipped.config.flow_shift)
-    with Image.open(frames[0]) as image:
+    with Image.open(digit_pngs[0]) as image:
         first = image.convert("RGB")
     try:
         common = dict(
@@ -221,9 +202,9 @@ def test_noise_level_zero_reproduces_the_pipeline(engine: DiffusersEngine, frame
 
 
 @pytest.mark.slow
-def test_the_first_frame_changes_the_video(engine: DiffusersEngine, frames) -> None:
-    a = engine.generate([_request(frames[0], 0.0, [[]], [5])])[0]
-    b = engine.generate([_request(frames[1], 0.0, [[]], [5])])[0]
+def test_the_first_frame_changes_the_video(engine: DiffusersEngine, digit_pngs) -> None:
+    a = engine.generate([_request(digit_pngs[0], 0.0, [[]], [5])])[0]
+    b = engine.generate([_request(digit_pngs[1], 0.0, [[]], [5])])[0]
     assert (a.trajectory.latents[-1] - b.trajectory.latents[-1]).abs().max().item() > 1e-3
 
 
@@ -254,17 +235,17 @@ def _recompute_drift(samples, sde_steps, family, denoiser) -> float:
 
 
 @pytest.mark.slow
-def test_recorded_log_probs_are_reproduced_by_a_recompute(engine: DiffusersEngine, frames) -> None:
+def test_recorded_log_probs_are_reproduced_by_a_recompute(engine: DiffusersEngine, digit_pngs) -> None:
     """Steps of both experts (0-2 high noise, 3-5 low), on the engine's own denoiser."""
     sde_steps = [[0, 1, 3], [3, 4], [5]]
-    samples = engine.generate([_request(frames[0], 0.7, sde_steps, seeds=(11, 12, 13))])
+    samples = engine.generate([_request(digit_pngs[0], 0.7, sde_steps, seeds=(11, 12, 13))])
     drift = _recompute_drift(samples, sde_steps, engine.family, engine.transformer)
     print(f"log-prob drift (engine's denoiser): {drift:.3g}")
     assert drift <= 1e-6
 
 
 @pytest.mark.slow
-def test_frozen_weights_log_prob_drift(engine: DiffusersEngine, frames, tiny_wan2_2_i2v_dir: Path) -> None:
+def test_frozen_weights_log_prob_drift(engine: DiffusersEngine, digit_pngs, tiny_wan2_2_i2v_dir: Path) -> None:
     """The trainer's own denoiser, loaded from the checkpoint (`load_denoiser`, both experts, fp32) on a family of
     its own bound to the run's flags: with frozen weights its recompute of the recorded SDE steps is the rollout's."""
     from miles.training.model import family_of
@@ -273,7 +254,7 @@ def test_frozen_weights_log_prob_drift(engine: DiffusersEngine, frames, tiny_wan
     denoiser = family.load_denoiser(tiny_wan2_2_i2v_dir, torch.float32, family.experts)
     assert family.boundary == engine.transformer.boundary_timestep == 900.0
     sde_steps = [[0, 2], [4, 5]]
-    samples = engine.generate([_request(frames[1], 0.7, sde_steps, seeds=(21, 22))])
+    samples = engine.generate([_request(digit_pngs[1], 0.7, sde_steps, seeds=(21, 22))])
     with torch.no_grad():
         drift = _recompute_drift(samples, sde_steps, family, denoiser)
     print(f"log-prob drift (trainer's frozen denoiser): {drift:.3g}")

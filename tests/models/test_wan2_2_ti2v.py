@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -65,25 +64,8 @@ def tiny_wan2_2_ti2v_dir(miles_session_home: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def frames(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two digits of the embedded test split as 64x64 RGB PNGs (first frames, as a user's rows name them)."""
-    from miles.data.digits import load_digits_split
-
-    split = load_digits_split()
-    folder = tmp_path_factory.mktemp("ti2v-frames")
-    paths = []
-    for i in (0, 1):
-        digit = (split.test_x[i] * 255).round().astype(np.uint8)
-        image = Image.fromarray(digit).resize((64, 64), Image.NEAREST).convert("RGB")
-        paths.append(folder / f"frame{i}.png")
-        image.save(paths[-1])
-    return paths
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_wan2_2_ti2v_dir: Path) -> DiffusersEngine:
-    args = resolve("rl", cli={**SMALL, "hf_checkpoint": str(tiny_wan2_2_ti2v_dir)}).args
-    return DiffusersEngine(args, device="cpu")
+def engine(tiny_wan2_2_ti2v_dir: Path, make_engine) -> DiffusersEngine:
+    return make_engine(tiny_wan2_2_ti2v_dir, **SMALL)
 
 
 def _request(frame: Path, noise_level: float, sde_steps, seeds) -> GenerateRequest:
@@ -268,7 +250,7 @@ def test_the_build_loads_as_a_ti2v_pipeline(tiny_wan2_2_ti2v_dir: Path, engine: 
 
 
 @pytest.mark.slow
-def test_noise_level_zero_reproduces_the_pipeline(engine: DiffusersEngine, frames, monkeypatch) -> None:
+def test_noise_level_zero_reproduces_the_pipeline(engine: DiffusersEngine, digit_pngs, monkeypatch) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 
@@ -276,11 +258,11 @@ def test_noise_level_zero_reproduces_the_pipeline(engine: DiffusersEngine, frame
     # same without it, and is what the family encodes with
     monkeypatch.setattr(pipeline_wan_i2v, "basic_clean", pipeline_wan.basic_clean)
     seeds = [5, 6]
-    samples = engine.generate([_request(frames[0], 0.0, [[], []], seeds)])
+    samples = engine.generate([_request(digit_pngs[0], 0.0, [[], []], seeds)])
     pipe = engine.pipe
     shipped = pipe.scheduler
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shipped.config.flow_shift)
-    with Image.open(frames[0]) as image:
+    with Image.open(digit_pngs[0]) as image:
         first = image.convert("RGB")
     try:
         common = dict(
@@ -320,9 +302,9 @@ def test_noise_level_zero_reproduces_the_pipeline(engine: DiffusersEngine, frame
 
 
 @pytest.mark.slow
-def test_the_first_frame_changes_the_video(engine: DiffusersEngine, frames) -> None:
-    a = engine.generate([_request(frames[0], 0.0, [[]], [5])])[0]
-    b = engine.generate([_request(frames[1], 0.0, [[]], [5])])[0]
+def test_the_first_frame_changes_the_video(engine: DiffusersEngine, digit_pngs) -> None:
+    a = engine.generate([_request(digit_pngs[0], 0.0, [[]], [5])])[0]
+    b = engine.generate([_request(digit_pngs[1], 0.0, [[]], [5])])[0]
     assert (a.trajectory.latents[-1][:, 1:] - b.trajectory.latents[-1][:, 1:]).abs().max().item() > 1e-3
 
 
@@ -358,9 +340,9 @@ def _recompute_drift(samples, sde_steps, family, denoiser) -> float:
 
 
 @pytest.mark.slow
-def test_recorded_log_probs_are_reproduced_by_a_recompute(engine: DiffusersEngine, frames) -> None:
+def test_recorded_log_probs_are_reproduced_by_a_recompute(engine: DiffusersEngine, digit_pngs) -> None:
     sde_steps = [[0, 1, 3], [3, 4], [5]]
-    samples = engine.generate([_request(frames[0], 0.7, sde_steps, seeds=(11, 12, 13))])
+    samples = engine.generate([_request(digit_pngs[0], 0.7, sde_steps, seeds=(11, 12, 13))])
     drift = _recompute_drift(samples, sde_steps, engine.family, engine.transformer)
     print(f"log-prob drift (engine's denoiser): {drift:.3g}")
     assert drift <= 1e-6
@@ -370,7 +352,7 @@ def test_recorded_log_probs_are_reproduced_by_a_recompute(engine: DiffusersEngin
 
 
 @pytest.mark.slow
-def test_frozen_weights_log_prob_drift(engine: DiffusersEngine, frames, tiny_wan2_2_ti2v_dir: Path) -> None:
+def test_frozen_weights_log_prob_drift(engine: DiffusersEngine, digit_pngs, tiny_wan2_2_ti2v_dir: Path) -> None:
     """The trainer's own transformer, loaded from the checkpoint (`load_denoiser`, fp32) on a family of its own
     bound to the run's flags: with frozen weights its recompute of the recorded SDE steps is the rollout's."""
     from miles.training.model import family_of
@@ -378,7 +360,7 @@ def test_frozen_weights_log_prob_drift(engine: DiffusersEngine, frames, tiny_wan
     family = family_of(engine.args)
     denoiser = family.load_denoiser(tiny_wan2_2_ti2v_dir, torch.float32)
     sde_steps = [[0, 2], [4, 5]]
-    samples = engine.generate([_request(frames[1], 0.7, sde_steps, seeds=(21, 22))])
+    samples = engine.generate([_request(digit_pngs[1], 0.7, sde_steps, seeds=(21, 22))])
     with torch.no_grad():
         drift = _recompute_drift(samples, sde_steps, family, denoiser)
     print(f"log-prob drift (trainer's frozen denoiser): {drift:.3g}")
@@ -386,10 +368,10 @@ def test_frozen_weights_log_prob_drift(engine: DiffusersEngine, frames, tiny_wan
 
 
 @pytest.mark.slow
-def test_frame_0_contributes_nothing_to_the_log_prob_nor_the_kl(engine: DiffusersEngine, frames) -> None:
+def test_frame_0_contributes_nothing_to_the_log_prob_nor_the_kl(engine: DiffusersEngine, digit_pngs) -> None:
     """Changing frame 0 of a recorded next latent (or of the step's input) leaves the log-prob and the KL's scored
     means as they were; without the family's mask the same change moves the log-prob."""
-    (sample,) = engine.generate([_request(frames[0], 0.7, [[1, 2]], seeds=(31,))])
+    (sample,) = engine.generate([_request(digit_pngs[0], 0.7, [[1, 2]], seeds=(31,))])
     family, denoiser = engine.family, engine.transformer
     traj = sample.trajectory
     base = _recompute(sample, 1, family, denoiser)
@@ -409,7 +391,7 @@ def test_frame_0_contributes_nothing_to_the_log_prob_nor_the_kl(engine: Diffuser
 
 
 @pytest.mark.slow
-def test_frame_0_contributes_nothing_to_the_sft_nft_and_dpo_losses(engine: DiffusersEngine, frames) -> None:
+def test_frame_0_contributes_nothing_to_the_sft_nft_and_dpo_losses(engine: DiffusersEngine, digit_pngs) -> None:
     """The trainer's data losses on latents whose frame 0 differs (clean data and noise): the same values, because
     the forward reads frame 0 from the condition and the losses read frames >= 1 (`loss_mask`, NFT's mask)."""
     from types import SimpleNamespace
@@ -420,7 +402,7 @@ def test_frame_0_contributes_nothing_to_the_sft_nft_and_dpo_losses(engine: Diffu
     from miles.training.flow_matching import flow_matching_loss
     from miles.training.pairs import Pair
 
-    (sample,) = engine.generate([_request(frames[0], 0.0, [[]], seeds=(41,))])
+    (sample,) = engine.generate([_request(digit_pngs[0], 0.0, [[]], seeds=(41,))])
     family, denoiser = engine.family, engine.transformer
 
     def velocity(x, timesteps, samples, cfg_scale):
