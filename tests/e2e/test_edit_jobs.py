@@ -8,7 +8,6 @@ source reaches the reward (`digit_edit`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,26 +22,6 @@ SMALL += ["--global-batch-size", "4", "--micro-batch-size", "4", "--diffusion-nu
 SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,6", "--lr-warmup-iters", "0"]
 
 
-@pytest.fixture(scope="module")
-def edit_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Four prompt rows and four SFT rows of the built-in edit set, with absolute media paths (a user's file)."""
-    from miles.builtin.datasets import resolve_dataset
-
-    folder = tmp_path_factory.mktemp("edit-rows")
-    out = {}
-    for part in ("train", "sft"):
-        source = resolve_dataset(f"digits-edit:{part}")
-        rows = [json.loads(line) for line in source.read_text().splitlines()[:4]]
-        for row in rows:
-            for medium in row["media"]:
-                medium["image"] = str((source.parent / medium["image"]).resolve())
-            if "image" in row:
-                row["image"] = str((source.parent / row["image"]).resolve())
-        out[part] = folder / f"{part}.jsonl"
-        out[part].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
-
-
 def _rl(checkpoint: Path, rows: dict[str, Path], out: Path, *extra: str) -> list[dict]:
     argv = ["train", "rl", "--recipe", "tiny-flux-kontext-edit-grpo", "--hf-checkpoint", str(checkpoint)]
     flags = ["--prompt-data", str(rows["train"]), "--eval-prompt-data", "edit", str(rows["train"]), *SMALL]
@@ -50,7 +29,7 @@ def _rl(checkpoint: Path, rows: dict[str, Path], out: Path, *extra: str) -> list
     return read_metrics(out / "metrics.jsonl")
 
 
-@pytest.mark.extended  # 67 s; the default run replays text-to-image rollouts (tests/e2e) and recomputes Kontext exactly
+@pytest.mark.extended  # 67 s; the default run replays text-to-image rollouts (tests/e2e), recomputes Kontext exactly
 def test_live_training_and_its_replay_agree(tiny_flux_kontext_dir: Path, edit_rows, tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     common = ("--num-rollout", "2", "--deterministic-mode", "--lr", "1e-3")

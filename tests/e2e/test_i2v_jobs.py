@@ -15,18 +15,16 @@ tests/rewards/test_digit_i2v_reward.py, the recipes in tests/config).
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
+from i2v_job_helpers import SMALL, run_i2v_job
 
 from miles.io.metrics import read_metrics
 from miles_cli.main import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
-
-SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4"]
-SMALL += ["--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "4"]
-SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +38,6 @@ def tiny_wan2_2_i2v_dir(miles_session_home: Path) -> Path:
     if not (path / "model_index.json").is_file():
         build_tiny_wan2_2_i2v(path, progress=False, vae_steps=5)
     return path
-
-
-@pytest.fixture(scope="module")
-def i2v_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The digits-i2v set written for the first 8 train and 2 test digits (the set's own writer)."""
-    import miles.data.digits_i2v as digits_i2v
-    from miles.data.digits import DigitsSplit, load_digits_split
-
-    split = load_digits_split()
-    small = DigitsSplit(split.train_x[:8], split.train_y[:8], split.test_x[:2], split.test_y[:2])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(digits_i2v, "load_digits_split", lambda seed=0: small)
-        return digits_i2v.write_digits_i2v_data(tmp_path_factory.mktemp("digits-i2v"))
 
 
 def test_sft_then_grpo_on_the_digits_i2v_task(tiny_wan2_2_i2v_dir: Path, i2v_rows, tmp_path: Path) -> None:
@@ -89,28 +74,7 @@ def test_sft_then_grpo_on_the_digits_i2v_task(tiny_wan2_2_i2v_dir: Path, i2v_row
 
 
 # ---- the jobs that do not train live: replay, eval, rollout-only --------------------------------------------------
-# 2 prompts x 2 samples, 4 steps (2 SDE steps), one optimizer step a rollout. The random experts' videos score
-# digit_i2v ~1e-14 (advantages of the eps alone), so clip_i on a tiny random CLIP (the conftest's) joins it: a
-# second reward that reads each sample's first frame and spreads a group's rewards, so the replayed training has a
-# real gradient to agree on. Each reward is then logged by name.
-TINY = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2"]
-TINY += ["--global-batch-size", "4", "--micro-batch-size", "4", "--diffusion-num-steps", "4"]
-TINY += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
-
-
-def _job(job: list[str], checkpoint: Path, rows: dict[str, Path], clip: tuple[str, str], out: Path, *extra: str):
-    argv = [*job, "--recipe", "tiny-wan2_2-i2v-grpo", "--hf-checkpoint", str(checkpoint)]
-    flags = ["--prompt-data", str(rows["train"]), "--eval-prompt-data", "i2v", str(rows["test"]), *TINY]
-    flags += [
-        "--rm-type",
-        "digit_i2v,clip_i",
-        "--clip-score-model-path",
-        clip[0],
-        "--clip-score-processor-path",
-        clip[1],
-    ]
-    assert main([*argv, *flags, "--output-dir", str(out), *extra]) == 0
-    return read_metrics(out / "metrics.jsonl")
+_job = partial(run_i2v_job, "tiny-wan2_2-i2v-grpo")  # TINY flags, digit_i2v + clip_i (i2v_job_helpers.py)
 
 
 def test_live_training_and_its_replay_agree(tiny_wan2_2_i2v_dir: Path, i2v_rows, tiny_clip, tmp_path: Path) -> None:

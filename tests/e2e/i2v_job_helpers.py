@@ -1,0 +1,48 @@
+"""Shared flags and job of the image-to-video jobs' tests (tests/e2e/test_i2v_jobs.py, test_ti2v_jobs.py): both
+families run the digits-i2v task through the same CLI, each with its own tiny build and recipes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles.io.metrics import read_metrics
+from miles_cli.main import main
+
+# a GRPO rollout from an SFT's checkpoint: 2 prompts x 4 samples, 4 steps (2 SDE steps), one optimizer step
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4"]
+SMALL += ["--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "4"]
+SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
+
+# the jobs on the tiny build itself (live training and its replay, eval, rollout-only): 2 prompts x 2 samples, 4
+# steps (2 SDE steps), one optimizer step a rollout. The random tiny models' videos score digit_i2v ~1e-14
+# (advantages of the eps alone), so clip_i on a tiny random CLIP (tests/conftest.py's) joins it: a second reward that
+# reads each sample's first frame and spreads a group's rewards, so a replayed training has a real gradient to agree
+# on. Each reward is then logged by name.
+TINY = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2"]
+TINY += ["--global-batch-size", "4", "--micro-batch-size", "4", "--diffusion-num-steps", "4"]
+TINY += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
+
+
+def run_i2v_job(
+    recipe: str,
+    job: list[str],
+    checkpoint: Path,
+    rows: dict[str, Path],
+    clip: tuple[str, str],
+    out: Path,
+    *extra: str,
+) -> list[dict]:
+    """`miles JOB --recipe RECIPE` on `checkpoint` with the TINY flags, digits-i2v rows (`i2v_rows`) and the
+    digit_i2v + clip_i rewards; -> the job's metrics rows."""
+    argv = [*job, "--recipe", recipe, "--hf-checkpoint", str(checkpoint)]
+    flags = ["--prompt-data", str(rows["train"]), "--eval-prompt-data", "i2v", str(rows["test"]), *TINY]
+    flags += [
+        "--rm-type",
+        "digit_i2v,clip_i",
+        "--clip-score-model-path",
+        clip[0],
+        "--clip-score-processor-path",
+        clip[1],
+    ]
+    assert main([*argv, *flags, "--output-dir", str(out), *extra]) == 0
+    return read_metrics(out / "metrics.jsonl")
