@@ -2,26 +2,27 @@
 `train sft` of the `tiny-wan2_2-ti2v-sft` recipe for 3 steps on digits-i2v rows (evaluated by `digit_i2v`), then
 `train rl` of `tiny-wan2_2-ti2v-grpo` for one small rollout from that SFT's checkpoint (as the recipe starts from a
 short SFT): the trainer's recompute of the rollout's log-probs (frames >= 1) agrees with the engine's, and every
-sample's latent frame 0 is its first frame's latents.
+sample's latent frame 0 is its first frame's latents. Then, on the built model, a deterministic `train rl` whose
+rollouts are dumped and the same training replayed from the dump with no engine give the same metrics (as
+tests/e2e/test_i2v_jobs.py checks wan2_2_i2v; the flags, rows and job they share are tests/e2e/conftest.py's and
+i2v_job_helpers.py's).
 
-`extended` (the tiny build and two jobs); the parts run in the default suite (the engine, the masks and the
+`extended` (the tiny build and four jobs); the parts run in the default suite (the engine, the masks and the
 recompute in tests/models/test_wan2_2_ti2v.py, the recipes in tests/config).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
+from i2v_job_helpers import SMALL, run_i2v_job
 
 from miles.io.metrics import read_metrics
 from miles_cli.main import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
-
-SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4"]
-SMALL += ["--global-batch-size", "8", "--micro-batch-size", "8", "--diffusion-num-steps", "4"]
-SMALL += ["--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "0,4", "--lr-warmup-iters", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -35,19 +36,6 @@ def tiny_wan2_2_ti2v_dir(miles_session_home: Path) -> Path:
     if not (path / "model_index.json").is_file():
         build_tiny_wan2_2_ti2v(path, progress=False, vae_steps=5)
     return path
-
-
-@pytest.fixture(scope="module")
-def i2v_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The digits-i2v set written for the first 8 train and 2 test digits (the set's own writer)."""
-    import miles.data.digits_i2v as digits_i2v
-    from miles.data.digits import DigitsSplit, load_digits_split
-
-    split = load_digits_split()
-    small = DigitsSplit(split.train_x[:8], split.train_y[:8], split.test_x[:2], split.test_y[:2])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(digits_i2v, "load_digits_split", lambda seed=0: small)
-        return digits_i2v.write_digits_i2v_data(tmp_path_factory.mktemp("digits-i2v"))
 
 
 def test_sft_then_grpo_on_the_digits_i2v_task(tiny_wan2_2_ti2v_dir: Path, i2v_rows, tmp_path: Path) -> None:
@@ -84,3 +72,43 @@ def test_sft_then_grpo_on_the_digits_i2v_task(tiny_wan2_2_ti2v_dir: Path, i2v_ro
         c0 = s.conditions.positive["first_frame"]
         assert all(torch.equal(x[:, :1], c0) for x in s.trajectory.latents[1:])  # frame 0 held, never noised
         assert s.image.shape == (3, 5, 64, 64)
+
+
+# ---- a job on the tiny build itself: live training and its replay --------------------------------------------------
+_job = partial(run_i2v_job, "tiny-wan2_2-ti2v-grpo")  # TINY flags, digit_i2v + clip_i (i2v_job_helpers.py)
+
+
+def test_live_training_and_its_replay_agree(tiny_wan2_2_ti2v_dir: Path, i2v_rows, tiny_clip, tmp_path: Path) -> None:
+    """Two deterministic rollouts trained live, their rollouts dumped (`--save-debug-rollout-data`); the same two
+    trainings on the dumped rollouts (`--train-only --load-debug-rollout-data`, no engine) give the same `train/*`
+    metrics, the second on the weights the first trained."""
+    import torch
+
+    dump = str(tmp_path / "dump" / "{rollout_id}.pt")
+    common = ("--num-rollout", "2", "--deterministic-mode", "--lr", "1e-3")
+    model = (tiny_wan2_2_ti2v_dir, i2v_rows, tiny_clip)
+    *live, final = _job(["train", "rl"], *model, tmp_path / "live", *common, "--save-debug-rollout-data", dump)
+    assert [r["rollout_id"] for r in live] == [0, 1]
+    assert final["eval/i2v/num_samples"] == 2 and 0.0 <= final["eval/i2v/digit_i2v/reward_mean"] <= 1.0
+    for row in live:
+        assert 0.0 <= row["rollout/reward/digit_i2v/raw_mean"] <= 1.0  # each read its sample's first frame
+        assert row["rollout/reward/clip_i/raw_std"] > 0.0  # the group's rewards differ: a real gradient
+        assert row["train/grad_norm"] > 1e-6 and row["train/log_prob_mean_abs_diff"] <= 1e-5
+
+    from miles.io.rollout_file import load_rollout
+
+    _, samples, _ = load_rollout(dump.format(rollout_id=0))
+    for s in samples:
+        first_frame = s.conditions.positive["first_frame"]
+        assert first_frame.shape == (2, 1, 16, 16)  # the first frame's latents
+        assert s.trajectory.latents.shape[1:] == (2, 5, 16, 16)  # latent frame 0 among them
+        assert all(torch.equal(x[:, :1], first_frame) for x in s.trajectory.latents)  # frame 0 held, never noised
+
+    replay = ["--train-only", "--load-debug-rollout-data", dump]
+    replayed = _job(["train", "rl"], *model, tmp_path / "train-only", *common, *replay)
+    assert [r["rollout_id"] for r in replayed] == [0, 1]  # no engine, so no eval
+    for row, original in zip(replayed, live, strict=True):
+        trained = sorted(k for k in original if k.startswith("train/"))
+        assert sorted(k for k in row if k.startswith("train/")) == trained
+        for key in trained:
+            assert row[key] == pytest.approx(original[key], rel=1e-6, abs=1e-9), key
