@@ -4,8 +4,7 @@ The same components and seeds as tiny-flux (`miles.builtin.tiny.flux`), saved as
 directory, except the VAE: it is fitted to the full-canvas digits *and* to the edit task's sources (a 48-pixel
 digit pasted at an offset of the 64-pixel canvas, `miles.data.digits_edit`); tiny-flux's VAE, fitted to
 full-canvas digits alone, reconstructed the task's first (32-pixel) sources poorly (the digit classifier read 48 %
-of them after its round trip). It fits KONTEXT_VAE_STEPS steps, not tiny-flux's VAE_STEPS: the edit SFT's ceiling
-is what its targets score after the VAE's round trip (`bench/kontext_vae_ceiling.py`).
+of them after its round trip).
 The transformer is random: the digits edit SFT start point learns the edit.
 """
 
@@ -16,9 +15,10 @@ from typing import Any
 
 from miles.builtin.tiny.build import BuildReport
 from miles.builtin.tiny.flux import TinyFluxBuild
+from miles.builtin.tiny.vae_fit import VAE_STEPS
 from miles.models.tiny.metadata import current_design
 
-__all__ = ["KONTEXT_VAE_STEPS", "TINY_FLUX_KONTEXT_NAME", "BuildReport", "build_tiny_flux_kontext"]
+__all__ = ["TINY_FLUX_KONTEXT_NAME", "BuildReport", "build_tiny_flux_kontext"]
 
 TINY_FLUX_KONTEXT_NAME = "tiny-flux-kontext"
 SGLANG_MODEL_ID = "FLUX.1-Kontext-dev"
@@ -26,10 +26,6 @@ PASTE_SEED = 4321  # the offsets of the pasted digits the VAE also fits
 # T5 tokens of an edit instruction: "make it a 5" is 9 with </s> (the offline tokenizers know the digit prompts'
 # words and spell the others letter by letter; "change the 3 into a 5" is 15); tiny-flux's 8 would cut the digit off
 MAX_SEQUENCE_LENGTH = 16
-# the VAE's fit (batch 8, lr 3e-3, as tiny-flux's): the 360 test edit targets (48-px digits) score digit_edit 0.918
-# as they are and, after the round trip, 0.899 at 300 steps (tiny-flux's VAE_STEPS, design 2), 0.913 at 600, 0.922
-# at 1,000, 0.921 at 2,000 (bench/kontext_vae_ceiling.py); an SFT that reproduces its targets scores about theirs
-KONTEXT_VAE_STEPS = 1000
 
 
 def pasted_digits_vae_input(x8: Any, seed: int = PASTE_SEED) -> Any:
@@ -66,7 +62,7 @@ class TinyFluxKontextBuild(TinyFluxBuild):
 
 
 def build_tiny_flux_kontext(
-    out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = KONTEXT_VAE_STEPS
+    out_dir: str | Path, seed: int = 0, progress: bool = True, vae_steps: int = VAE_STEPS
 ) -> BuildReport:
     """Build tiny-flux-kontext into `out_dir` (which must not exist, or be empty); return timings and accuracies."""
     return TinyFluxKontextBuild.build(out_dir, seed, progress, vae_steps)

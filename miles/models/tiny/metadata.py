@@ -26,8 +26,7 @@ DIFFUSERS_SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's own defaul
 TINY_DESIGNS: dict[str, int] = {
     "tiny-wan2_2": 2,  # 2: one token per latent frame (patch 1x16x16, width 512), a 2-channel VAE
     "tiny-ltx2": 2,  # 2: a 16x16-patch VAE (16 channels, 144 video tokens), a 2-layer DiT 128 wide, 8 text tokens
-    # 2: the VAE also fits the edit task's 48-px sources (32 px before); 3: its VAE fits 1,000 steps (300 before)
-    "tiny-flux-kontext": 3,
+    "tiny-flux-kontext": 2,  # 2: the VAE also fits the edit task's 48-px sources (32 px before)
 }
 
 
