@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from edit_job_helpers import sft_then_eval
 
 from miles.io.metrics import read_metrics
 from miles_cli.main import main
@@ -71,18 +72,6 @@ def test_frozen_weights_recompute_the_rollout_exactly(tiny_flux_kontext_dir: Pat
 
 
 def test_sft_on_edit_rows_then_eval(tiny_flux_kontext_dir: Path, edit_rows, tmp_path: Path) -> None:
-    sft = tmp_path / "sft"
-    argv = ["train", "sft", "--recipe", "tiny-flux-kontext-edit-sft", "--hf-checkpoint", str(tiny_flux_kontext_dir)]
-    flags = ["--prompt-data", str(edit_rows["sft"]), "--eval-prompt-data", "edit", str(edit_rows["train"])]
-    flags += ["--num-rollout", "3", "--global-batch-size", "4", "--micro-batch-size", "4"]
-    flags += ["--diffusion-num-steps", "4"]
-    assert main([*argv, *flags, "--output-dir", str(sft)]) == 0
-    rows = read_metrics(sft / "metrics.jsonl")
-    assert [r["rollout_id"] for r in rows if "train/loss" in r] == [0, 1, 2]
-    assert rows[-1]["eval/edit/num_samples"] == 4
-    out = tmp_path / "eval"
-    ev = ["eval", "--recipe", "tiny-flux-kontext-edit-grpo", "--hf-checkpoint", str(sft / "checkpoint")]
-    ev += ["--eval-prompt-data", "edit", str(edit_rows["train"])]
-    assert main([*ev, "--output-dir", str(out)]) == 0
-    (row,) = read_metrics(out / "metrics.jsonl")
-    assert row["eval/edit/num_samples"] == 4 and 0.0 <= row["eval/edit/reward_mean"] <= 1.0
+    sft_then_eval(
+        tiny_flux_kontext_dir, edit_rows, "tiny-flux-kontext-edit-sft", "tiny-flux-kontext-edit-grpo", tmp_path
+    )
