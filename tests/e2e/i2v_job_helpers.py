@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from replay_helpers import LIVE_FLAGS, assert_train_metrics_agree, replay_flags
+
 from miles.io.metrics import read_metrics
 from miles_cli.main import main
 
@@ -46,3 +48,24 @@ def run_i2v_job(
     ]
     assert main([*argv, *flags, "--output-dir", str(out), *extra]) == 0
     return read_metrics(out / "metrics.jsonl")
+
+
+def live_then_replay(recipe: str, checkpoint: Path, rows: dict[str, Path], clip: tuple[str, str], tmp: Path) -> str:
+    """Two deterministic rollouts of `recipe` trained live, their rollouts dumped (`--save-debug-rollout-data`),
+    each row's rewards read from its samples' first frames and spread within a group; then the same two trainings
+    on the dump (`--train-only --load-debug-rollout-data`, no engine) log the same `train/*` metrics. -> the dump's
+    path template, for the family's own checks of what a rollout file carries."""
+    dump = str(tmp / "dump" / "{rollout_id}.pt")
+    model = (checkpoint, rows, clip)
+    *live, final = run_i2v_job(
+        recipe, ["train", "rl"], *model, tmp / "live", *LIVE_FLAGS, "--save-debug-rollout-data", dump
+    )
+    assert [r["rollout_id"] for r in live] == [0, 1]
+    assert final["eval/i2v/num_samples"] == 2 and 0.0 <= final["eval/i2v/digit_i2v/reward_mean"] <= 1.0
+    for row in live:
+        assert 0.0 <= row["rollout/reward/digit_i2v/raw_mean"] <= 1.0  # each read its sample's first frame
+        assert row["rollout/reward/clip_i/raw_std"] > 0.0  # the group's rewards differ: a real gradient
+        assert row["train/grad_norm"] > 1e-6 and row["train/log_prob_mean_abs_diff"] <= 1e-5
+    replayed = run_i2v_job(recipe, ["train", "rl"], *model, tmp / "train-only", *LIVE_FLAGS, *replay_flags(dump))
+    assert_train_metrics_agree(replayed, live)  # no engine, so no eval row
+    return dump

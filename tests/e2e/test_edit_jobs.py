@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from edit_job_helpers import sft_then_eval
+from replay_helpers import LIVE_FLAGS, assert_train_metrics_agree, replay_flags
 
 from miles.io.metrics import read_metrics
 from miles_cli.main import main
@@ -33,8 +34,7 @@ def _rl(checkpoint: Path, rows: dict[str, Path], out: Path, *extra: str) -> list
 @pytest.mark.extended  # 67 s; the default run replays text-to-image rollouts (tests/e2e), recomputes Kontext exactly
 def test_live_training_and_its_replay_agree(tiny_flux_kontext_dir: Path, edit_rows, tmp_path: Path) -> None:
     dump = tmp_path / "dump"
-    common = ("--num-rollout", "2", "--deterministic-mode", "--lr", "1e-3")
-    *live, final = _rl(tiny_flux_kontext_dir, edit_rows, tmp_path / "live", *common, "--dump-details", str(dump))
+    *live, final = _rl(tiny_flux_kontext_dir, edit_rows, tmp_path / "live", *LIVE_FLAGS, "--dump-details", str(dump))
     assert [r["rollout_id"] for r in live] == [0, 1]
     assert final["eval/edit/num_samples"] == 4 and 0.0 <= final["eval/edit/reward_mean"] <= 1.0
     for row in live:
@@ -46,20 +46,10 @@ def test_live_training_and_its_replay_agree(tiny_flux_kontext_dir: Path, edit_ro
     assert all(s.conditions.positive["ref_tokens"].shape == (16, 16) for s in samples)
     assert all(s.trajectory.latents.shape[1:] == (4, 8, 8) for s in samples)  # the generated latents only
 
-    replayed = _rl(
-        tiny_flux_kontext_dir,
-        edit_rows,
-        tmp_path / "train-only",
-        *common,
-        "--train-only",
-        "--load-debug-rollout-data",
-        str(dump / "rollout_data" / "{rollout_id}.pt"),
+    replay = replay_flags(str(dump / "rollout_data" / "{rollout_id}.pt"))
+    assert_train_metrics_agree(
+        _rl(tiny_flux_kontext_dir, edit_rows, tmp_path / "train-only", *LIVE_FLAGS, *replay), live
     )
-    replayed = [r for r in replayed if "train/loss" in r]
-    assert [r["rollout_id"] for r in replayed] == [0, 1]
-    for row, original in zip(replayed, live, strict=True):
-        for key in ("train/loss", "train/grad_norm", "train/log_prob_mean_abs_diff"):
-            assert row[key] == pytest.approx(original[key], rel=1e-6, abs=1e-9), key
 
 
 @pytest.mark.extended  # 40 s; the recompute's exactness is tested per step in tests/models/test_flux_kontext.py

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from i2v_job_helpers import SMALL, run_i2v_job
+from i2v_job_helpers import SMALL, live_then_replay, run_i2v_job
 
 from miles.io.metrics import read_metrics
 from miles_cli.main import main
@@ -78,34 +78,14 @@ _job = partial(run_i2v_job, "tiny-wan2_2-i2v-grpo")  # TINY flags, digit_i2v + c
 
 
 def test_live_training_and_its_replay_agree(tiny_wan2_2_i2v_dir: Path, i2v_rows, tiny_clip, tmp_path: Path) -> None:
-    """Two deterministic rollouts trained live, their rollouts dumped (`--save-debug-rollout-data`); the same two
-    trainings on the dumped rollouts (`--train-only --load-debug-rollout-data`, no engine) give the same `train/*`
-    metrics, the second on the weights the first trained."""
-    dump = str(tmp_path / "dump" / "{rollout_id}.pt")
-    common = ("--num-rollout", "2", "--deterministic-mode", "--lr", "1e-3")
-    model = (tiny_wan2_2_i2v_dir, i2v_rows, tiny_clip)
-    *live, final = _job(["train", "rl"], *model, tmp_path / "live", *common, "--save-debug-rollout-data", dump)
-    assert [r["rollout_id"] for r in live] == [0, 1]
-    assert final["eval/i2v/num_samples"] == 2 and 0.0 <= final["eval/i2v/digit_i2v/reward_mean"] <= 1.0
-    for row in live:
-        assert 0.0 <= row["rollout/reward/digit_i2v/raw_mean"] <= 1.0  # each read its sample's first frame
-        assert row["rollout/reward/clip_i/raw_std"] > 0.0  # the group's rewards differ: a real gradient
-        assert row["train/grad_norm"] > 1e-6 and row["train/log_prob_mean_abs_diff"] <= 1e-5
-
+    """A replayed rollout trains to the same `train/*` metrics as the live one (`live_then_replay`); the rollout
+    file carries the condition as tensors: the first-frame condition latents, and the generated channels only."""
     from miles.io.rollout_file import load_rollout
 
+    dump = live_then_replay("tiny-wan2_2-i2v-grpo", tiny_wan2_2_i2v_dir, i2v_rows, tiny_clip, tmp_path)
     _, samples, _ = load_rollout(dump.format(rollout_id=0))
     assert all(s.conditions.positive["image_condition"].shape == (3, 5, 16, 16) for s in samples)
     assert all(s.trajectory.latents.shape[1:] == (2, 5, 16, 16) for s in samples)  # the generated channels only
-
-    replay = ["--train-only", "--load-debug-rollout-data", dump]
-    replayed = _job(["train", "rl"], *model, tmp_path / "train-only", *common, *replay)
-    assert [r["rollout_id"] for r in replayed] == [0, 1]  # no engine, so no eval
-    for row, original in zip(replayed, live, strict=True):
-        trained = sorted(k for k in original if k.startswith("train/"))
-        assert sorted(k for k in row if k.startswith("train/")) == trained
-        for key in trained:
-            assert row[key] == pytest.approx(original[key], rel=1e-6, abs=1e-9), key
 
 
 def test_eval_on_digits_i2v_test_rows(tiny_wan2_2_i2v_dir: Path, i2v_rows, tiny_clip, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from edit_job_helpers import sft_then_eval
+from replay_helpers import LIVE_FLAGS, assert_train_metrics_agree, replay_flags
 
 from miles.io.metrics import read_metrics
 from miles_cli.main import main
@@ -52,8 +53,9 @@ def test_live_training_and_its_replay_agree(tiny_qwen_image_edit_dir: Path, edit
     the dumped rollouts (`--train-only --load-debug-rollout-data`, no engine) give the same `train/*` metrics, the
     second on the weights the first trained."""
     dump = tmp_path / "dump"
-    common = ("--num-rollout", "2", "--deterministic-mode", "--lr", "1e-3")
-    *live, final = _rl(tiny_qwen_image_edit_dir, edit_rows, tmp_path / "live", *common, "--dump-details", str(dump))
+    *live, final = _rl(
+        tiny_qwen_image_edit_dir, edit_rows, tmp_path / "live", *LIVE_FLAGS, "--dump-details", str(dump)
+    )
     assert [r["rollout_id"] for r in live] == [0, 1]
     assert final["eval/edit/num_samples"] == 4 and 0.0 <= final["eval/edit/reward_mean"] <= 1.0
     for row in live:
@@ -67,22 +69,10 @@ def test_live_training_and_its_replay_agree(tiny_qwen_image_edit_dir: Path, edit
     assert all(s.conditions.positive["ref_tokens"].shape == (16, 16) for s in samples)  # the source's packed tokens
     assert all(s.trajectory.latents.shape[1:] == (4, 8, 8) for s in samples)  # the generated latents only
 
-    replayed = _rl(
-        tiny_qwen_image_edit_dir,
-        edit_rows,
-        tmp_path / "train-only",
-        *common,
-        "--train-only",
-        "--load-debug-rollout-data",
-        str(dump / "rollout_data" / "{rollout_id}.pt"),
+    replay = replay_flags(str(dump / "rollout_data" / "{rollout_id}.pt"))
+    assert_train_metrics_agree(
+        _rl(tiny_qwen_image_edit_dir, edit_rows, tmp_path / "train-only", *LIVE_FLAGS, *replay), live
     )
-    replayed = [r for r in replayed if "train/loss" in r]
-    assert [r["rollout_id"] for r in replayed] == [0, 1]
-    for row, original in zip(replayed, live, strict=True):
-        trained = sorted(k for k in original if k.startswith("train/"))
-        assert sorted(k for k in row if k.startswith("train/")) == trained
-        for key in trained:
-            assert row[key] == pytest.approx(original[key], rel=1e-6, abs=1e-9), key
 
 
 def test_sft_on_edit_rows_then_eval(tiny_qwen_image_edit_dir: Path, edit_rows, tmp_path: Path) -> None:
