@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,18 +80,30 @@ def _wait_for(condition: Any, timeout: float = 30.0) -> None:
 
 
 def test_a_killed_engine_is_restarted_with_the_synced_weights_and_its_requests_resent(
-    manager: RolloutManager, synced: dict[str, torch.Tensor], capsys: pytest.CaptureFixture[str]
+    manager: RolloutManager,
+    synced: dict[str, torch.Tensor],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    requests = _requests(manager, 8)  # 16 samples, 8 microgroups: 4 calls per engine
-    start = time.monotonic()
+    requests = _requests(manager, 8)  # 16 samples over 2 engines, sent at once (joined into forward batches)
     undisturbed = manager.run_requests(requests)
-    seconds = time.monotonic() - start
     victim = manager.engine_info()[1]["pid"]
-    killer = threading.Timer(seconds / 3, os.kill, (victim, signal.SIGKILL))  # mid-rollout: a call or so done
-    killer.start()
+    killed: list[int] = []
+    submit = manager.supervisor._submit
+
+    def submit_then_kill(call: Any, method: str) -> Any:  # engine 1 dies with its work in flight
+        ref = submit(call, method)
+        if call.engine == 1 and not killed:
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
+        return ref
+
+    # the rollout's own path with the kill at a point in it, not at a time: a timer at a third of the undisturbed
+    # rollout's length came after engine 1's only call had finished when the machine was loaded
+    monkeypatch.setattr(manager.supervisor, "_submit", submit_then_kill)
     samples = manager.run_requests(requests)
-    killer.join()
-    assert len(samples) == 16
+    monkeypatch.undo()
+    assert killed == [victim] and len(samples) == 16
     log = manager.restart_log()
     assert [entry["engine"] for entry in log] == [1] and f"pid {victim}" in log[0]["old"]
     assert manager.engine_info()[1]["pid"] != victim
