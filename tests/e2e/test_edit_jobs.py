@@ -62,6 +62,7 @@ def test_frozen_weights_recompute_the_rollout_exactly(tiny_flux_kontext_dir: Pat
 
 
 def test_sft_on_edit_rows_then_eval(tiny_flux_kontext_dir: Path, edit_rows, tmp_path: Path) -> None:
-    sft_then_eval(
+    row = sft_then_eval(
         tiny_flux_kontext_dir, edit_rows, "tiny-flux-kontext-edit-sft", "tiny-flux-kontext-edit-grpo", tmp_path
     )
+    assert row["eval/edit/num_samples"] == 4 and 0.0 <= row["eval/edit/reward_mean"] <= 1.0

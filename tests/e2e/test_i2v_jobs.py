@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from i2v_job_helpers import SMALL, live_then_replay, run_i2v_job
+from sft_helpers import short_sft
 
 from miles.io.metrics import read_metrics
 from miles_cli.main import main
@@ -42,13 +43,7 @@ def tiny_wan2_2_i2v_dir(miles_session_home: Path) -> Path:
 
 def test_sft_then_grpo_on_the_digits_i2v_task(tiny_wan2_2_i2v_dir: Path, i2v_rows, tmp_path: Path) -> None:
     sft = tmp_path / "sft"
-    argv = ["train", "sft", "--recipe", "tiny-wan2_2-i2v-sft", "--hf-checkpoint", str(tiny_wan2_2_i2v_dir)]
-    flags = ["--prompt-data", str(i2v_rows["sft"]), "--eval-prompt-data", "i2v", str(i2v_rows["test"])]
-    flags += ["--num-rollout", "3", "--global-batch-size", "4", "--micro-batch-size", "4"]
-    flags += ["--diffusion-num-steps", "4"]
-    assert main([*argv, *flags, "--output-dir", str(sft)]) == 0
-    rows = read_metrics(sft / "metrics.jsonl")
-    assert [r["rollout_id"] for r in rows if "train/loss" in r] == [0, 1, 2]
+    rows = short_sft("tiny-wan2_2-i2v-sft", tiny_wan2_2_i2v_dir, i2v_rows["sft"], "i2v", i2v_rows["test"], sft)
     final = rows[-1]
     assert final["eval/i2v/num_samples"] == 2 and 0.0 <= final["eval/i2v/reward_mean"] <= 1.0
     assert "eval/i2v/direction_acc" in final  # the videos read per frame, though each sample has its source

@@ -76,6 +76,7 @@ def test_live_training_and_its_replay_agree(tiny_qwen_image_edit_dir: Path, edit
 
 
 def test_sft_on_edit_rows_then_eval(tiny_qwen_image_edit_dir: Path, edit_rows, tmp_path: Path) -> None:
-    sft_then_eval(
+    row = sft_then_eval(
         tiny_qwen_image_edit_dir, edit_rows, "tiny-qwen-image-edit-sft", "tiny-qwen-image-edit-grpo", tmp_path
     )
+    assert row["eval/edit/num_samples"] == 4 and 0.0 <= row["eval/edit/reward_mean"] <= 1.0
