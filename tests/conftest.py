@@ -6,6 +6,7 @@ Session fixtures (built once, reused by every test directory):
                        `ensure_checkpoint("tiny-sd3")` finds it too (treat it as read-only)
   tiny_sd3_pipeline    StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir) (read-only; copy to mutate)
   tiny_flux_dir / tiny_qwen_image_dir / tiny_wan2_2_dir / tiny_ltx2_dir   the other tiny families, built once
+  tiny_flux2_klein_dir tiny-flux2-klein with a 40-step VAE fit (its layout, not its reconstructions)
                        the same way (read-only)
   digit_classifier     the checkpoint's digit classifier
   digits_split         the deterministic digits train/test split
@@ -95,6 +96,19 @@ def tiny_flux_kontext_dir(miles_session_home: Path) -> Path:
     path = miles_session_home / "test-builds" / f"tiny-flux-kontext-design{current_design('tiny-flux-kontext')}-vae40"
     if not (path / "model_index.json").is_file():
         build_tiny_flux_kontext(path, progress=False, vae_steps=40)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_klein_dir(miles_session_home: Path) -> Path:
+    """tiny-flux2-klein with a short VAE fit (40 steps): the engine and trainer tests need its layout (a base
+    Flux2KleinPipeline over a 28-layer Qwen3), not its reconstructions; the full build is the recipes'."""
+    from miles.builtin.tiny.flux2 import build_tiny_flux2_klein
+    from miles.models.tiny.metadata import current_design
+
+    path = miles_session_home / "test-builds" / f"tiny-flux2-klein-design{current_design('tiny-flux2-klein')}-vae40"
+    if not (path / "model_index.json").is_file():
+        build_tiny_flux2_klein(path, progress=False, vae_steps=40)
     return path
 
 

@@ -187,12 +187,18 @@ class TrainPipelineConfig(SglangAdapter):
         if self.pipeline_sigmas:
             kwargs["sigmas"] = np.linspace(1.0, 1.0 / num_steps, num_steps)
         if config.get("use_dynamic_shifting", False):
-            kwargs["mu"] = dynamic_shift_mu(self.image_seq_len(latent_shape), config)
+            kwargs["mu"] = self.shift_mu(self.image_seq_len(latent_shape), num_steps, config)
         if "sigmas" in kwargs:
             scheduler.set_timesteps(device="cpu", **kwargs)
         else:
             scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         return scheduler_schedule(scheduler)
+
+    def shift_mu(self, image_seq_len: int, num_steps: int, config: Mapping[str, Any]) -> float:
+        """The dynamic shift `mu` the pipeline passes to its scheduler for `image_seq_len` image tokens and
+        `num_steps` steps (torch-free; `schedule` and `grid_schedule` both call it). Default: linear in the token
+        count between the scheduler config's base and max (FLUX.1, Qwen-Image)."""
+        return dynamic_shift_mu(image_seq_len, config)
 
     # ---- the same schedule without torch (`miles.sampling.grid`: inspect-config and plan print it) ----------
     def grid_schedule(
@@ -225,7 +231,7 @@ class TrainPipelineConfig(SglangAdapter):
         sigmas = np.linspace(1.0, 1.0 / num_steps, num_steps) if self.pipeline_sigmas else None
         mu = None
         if config.get("use_dynamic_shifting", False):
-            mu = dynamic_shift_mu(resolve_token_count(token_count, self.name), config)
+            mu = self.shift_mu(resolve_token_count(token_count, self.name), num_steps, config)
         out_sigmas, timesteps = flow_match_euler_grid(config, num_steps, sigmas=sigmas, mu=mu)
         return [float(x) for x in out_sigmas], [float(x) for x in timesteps]
 

@@ -26,6 +26,7 @@ def test_registered_keys():
         "sd3",
         "flux",
         "flux_kontext",
+        "flux2",
         "wan2_2",
         "wan2_2_i2v",
         "wan2_2_ti2v",
@@ -37,6 +38,7 @@ def test_registered_keys():
     assert trainable_families() == (
         "cosmos3",
         "flux",
+        "flux2",
         "flux_kontext",
         "ltx",
         "qwen_image",
@@ -70,6 +72,9 @@ def test_registered_keys():
         ("tiny-flux", "flux"),
         ("black-forest-labs/FLUX.1-Kontext-dev", "flux_kontext"),
         ("tiny-flux-kontext", "flux_kontext"),
+        ("black-forest-labs/FLUX.2-klein-4B", "flux2"),
+        ("black-forest-labs/FLUX.2-klein-base-9B", "flux2"),
+        ("tiny-flux2-klein", "flux2"),
         ("Qwen/Qwen-Image-Edit-2511", "qwen_image_edit"),
         ("tiny-qwen-image-edit", "qwen_image_edit"),
         ("Lightricks/LTX-2", "ltx"),
@@ -203,7 +208,10 @@ def test_unknown_family_suggests():
         resolve_family("tiny-sd3", family="sd35", env={})
     msg = str(info.value)
     assert "--diffusion-model-family" in msg and "did you mean 'sd3'" in msg
-    assert "cosmos3, flux, flux_kontext, ltx, qwen_image, qwen_image_edit, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v" in msg
+    assert (
+        "cosmos3, flux, flux2, flux_kontext, ltx, qwen_image, qwen_image_edit, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v"
+        in msg
+    )
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"env MILES_DIFFUSION_MODEL_FAMILY: unknown model family 'sdxl'"):
         resolve_family("tiny-sd3", env={FAMILY_ENV: "sdxl"})
@@ -229,7 +237,9 @@ def test_untrainable_family_is_a_config_error(user_module):
         resolve_family(hf_checkpoint="x/y", config_path=f"{user_module}.Draft", env={})
     msg = str(info.value)
     assert msg.startswith(where) and "its forward is not written yet" in msg and "\n" not in msg
-    trainable = "cosmos3, flux, flux_kontext, ltx, qwen_image, qwen_image_edit, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v"
+    trainable = (
+        "cosmos3, flux, flux2, flux_kontext, ltx, qwen_image, qwen_image_edit, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v"
+    )
     assert f"trainable families: {trainable}" in msg
     assert (
         resolve_family("x/y", config_path=f"{user_module}.Draft", env={}, require_trainable=False).trainable is False

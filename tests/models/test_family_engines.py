@@ -1,4 +1,4 @@
-"""flux and qwen_image through the in-process engine, against diffusers' own pipelines.
+"""flux, flux2 (klein) and qwen_image through the in-process engine, against diffusers' own pipelines.
 
 For each family: with noise level 0 the engine's loop (the family's schedule, guidance, packing inside
 `forward_velocity`) reproduces `FluxPipeline` / `QwenImagePipeline` to 1e-5, and recomputing a recorded
@@ -30,12 +30,28 @@ CASES = {
         {"diffusion_guidance_scale": 3.5, "diffusion_true_cfg_scale": 2.0},
         {"guidance_scale": 3.5, "true_cfg_scale": 2.0, "negative_prompt": " "},
     ),
+    # klein base: CFG as two forwards with the empty prompt as the negative (the pipeline's, always)
+    "flux2": ("tiny_flux2_klein_dir", {"diffusion_guidance_scale": 4.0}, {"guidance_scale": 4.0}),
     "qwen_image": (
         "tiny_qwen_image_dir",
         {"diffusion_true_cfg_scale": 4.0},
         {"true_cfg_scale": 4.0, "negative_prompt": " "},
     ),
 }
+
+
+def _pipeline_latents(name: str, pipe, latents: torch.Tensor) -> torch.Tensor:
+    """The pipeline's `output_type="latent"` result in the engine's layout: FLUX.1 / Qwen-Image return the packed
+    tokens of an 8x8 latent; klein returns the VAE latent, which the engine holds patchified and normalised."""
+    if name == "flux2":
+        from miles.models.flux2.config import bn_stats, patchify
+
+        x = patchify(latents.float())
+        mean, std = bn_stats(pipe.vae, x)
+        return (x - mean) / std
+    from miles.models.flux.config import unpack_latents
+
+    return unpack_latents(latents.float(), 8, 8)
 
 
 def _args(checkpoint: Path, **cli):
@@ -82,7 +98,7 @@ def _request(engine: DiffusersEngine, noise_level: float, sde_steps: list[list[i
         sde_type="sde",
         height=64,
         width=64,
-        negative_prompt=" ",
+        negative_prompt=None if engine.family.name == "flux2" else " ",  # klein's pipeline always negates ""
         true_cfg_scale=args.diffusion_true_cfg_scale,
     )
 
@@ -103,10 +119,8 @@ def test_noise_level_zero_reproduces_the_pipeline(case) -> None:
         **pipe_kwargs,
     )
     packed = pipe(**common, generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="latent").images
-    from miles.models.flux.config import unpack_latents
-
-    ref = unpack_latents(packed.float(), 8, 8)
-    assert ours.shape == ref.shape == (2, engine.family.latent_channels(pipe), 8, 8)
+    ref = _pipeline_latents(name, pipe, packed)
+    assert ours.shape == ref.shape == (2, *engine.family.latent_shape(pipe, 64, 64))
     assert (ours - ref).abs().max().item() <= 1e-5, name
     images = pipe(**common, generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pt").images
     got = torch.stack([s.image for s in samples])
@@ -147,7 +161,7 @@ def test_schedule_is_the_pipelines(case) -> None:
     """The dynamic-shift schedule (mu from the 16 image tokens) is what the pipeline set on its scheduler."""
     _, engine, pipe_kwargs = case
     pipe = engine.pipe
-    sigmas, timesteps = engine._schedule(6, (engine.family.latent_channels(pipe), 8, 8))
+    sigmas, timesteps = engine._schedule(6, engine.family.latent_shape(pipe, 64, 64))
     seen: dict[str, torch.Tensor] = {}
 
     def grab(p, i, t, kw):

@@ -1,4 +1,5 @@
-"""flux, qwen_image and cosmos3 through the trainer in-process (one gloo rank), on a rollout of their own engine.
+"""flux, flux2 (klein), qwen_image and cosmos3 through the trainer in-process (one gloo rank), on a rollout of
+their own engine.
 
 Per family: the frozen-weight recompute equals the engine's log-probs; a LoRA step's LoRA-only sync, merged
 by the engine, equals the trainer's merged weights; the LoRA export loads with the family pipeline's
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 FAMILIES = {
     "flux": ("tiny_flux_dir", "tiny-flux-digits-grpo"),
+    "flux2": ("tiny_flux2_klein_dir", "tiny-flux2-klein-digits-grpo"),
     "qwen_image": ("tiny_qwen_image_dir", "tiny-qwen-image-digits-grpo"),
     "cosmos3": ("tiny_cosmos3_dir", "tiny-cosmos3-digits-grpo"),
 }
