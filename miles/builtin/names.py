@@ -23,6 +23,7 @@ TINY_BUILDERS: dict[str, str] = {
     "tiny-flux": "miles.builtin.tiny.flux:build_tiny_flux",
     "tiny-flux-kontext": "miles.builtin.tiny.flux_kontext:build_tiny_flux_kontext",
     "tiny-flux2-klein": "miles.builtin.tiny.flux2:build_tiny_flux2_klein",
+    "tiny-z-image": "miles.builtin.tiny.z_image:build_tiny_z_image",
     "tiny-qwen-image": "miles.builtin.tiny.qwen_image:build_tiny_qwen_image",
     "tiny-qwen-image-edit": "miles.builtin.tiny.qwen_image_edit:build_tiny_qwen_image_edit",
     "tiny-wan2_2": "miles.builtin.tiny.wan2_2:build_tiny_wan2_2",
@@ -37,6 +38,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft-short": 525,
     "tiny-flux-digits-sft-short": 100,  # digit reward 0.33, where its SFT curve turns steep (0.75 at 125)
     "tiny-flux2-klein-digits-sft-short": 100,  # FLUX.2-klein base layout (placeholder until its SFT curve is read)
+    "tiny-z-image-digits-sft-short": 100,  # Z-Image layout (placeholder until its SFT curve is read)
     "tiny-qwen-image-digits-sft-short": 150,  # digit reward 0.35 (0.21 at 100, 0.48 at 200)
     "tiny-wan2_2-digits-sft-short": 100,  # eval reward 0.32 (accuracy 0.34; 0.73 at 200, 0.93 at 300)
     "tiny-cosmos3-digits-sft-short": 50,  # eval reward 0.59 on the ten prompts (0.10 at 25 steps)

@@ -29,6 +29,7 @@ TEACHER_SOURCES: dict[str, tuple[str, str]] = {
     "tiny-sd3-digits-sft-short": ("tiny-digits-sft", "tiny-sd3"),
     "tiny-flux-digits-sft-short": ("tiny-flux-digits-sft", "tiny-flux"),
     "tiny-flux2-klein-digits-sft-short": ("tiny-flux2-klein-digits-sft", "tiny-flux2-klein"),
+    "tiny-z-image-digits-sft-short": ("tiny-z-image-digits-sft", "tiny-z-image"),
     "tiny-qwen-image-digits-sft-short": ("tiny-qwen-image-digits-sft", "tiny-qwen-image"),
     "tiny-wan2_2-digits-sft-short": ("tiny-wan2_2-digits-sft", "tiny-wan2_2"),
     "tiny-cosmos3-digits-sft-short": ("tiny-cosmos3-digits-sft", "tiny-cosmos3"),

@@ -37,6 +37,7 @@ _BUILTIN_MODULES = (
     "miles.models.flux.config",
     "miles.models.flux_kontext.config",
     "miles.models.flux2.config",
+    "miles.models.z_image.config",
     "miles.models.qwen_image.config",
     "miles.models.qwen_image_edit.config",
     "miles.models.wan2_2.config",

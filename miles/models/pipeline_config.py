@@ -172,8 +172,6 @@ class TrainPipelineConfig(SglangAdapter):
         """
         import copy
 
-        import numpy as np
-
         config = scheduler.config
         if flow_shift is not None:
             overrides: dict[str, Any] = {"shift": float(flow_shift)}
@@ -185,7 +183,7 @@ class TrainPipelineConfig(SglangAdapter):
         config = scheduler.config
         kwargs: dict[str, Any] = {}
         if self.pipeline_sigmas:
-            kwargs["sigmas"] = np.linspace(1.0, 1.0 / num_steps, num_steps)
+            kwargs["sigmas"] = self.sigma_grid(num_steps)
         if config.get("use_dynamic_shifting", False):
             kwargs["mu"] = self.shift_mu(self.image_seq_len(latent_shape), num_steps, config)
         if "sigmas" in kwargs:
@@ -193,6 +191,13 @@ class TrainPipelineConfig(SglangAdapter):
         else:
             scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         return scheduler_schedule(scheduler)
+
+    def sigma_grid(self, num_steps: int) -> Any:
+        """The unshifted sigmas a `pipeline_sigmas` family's pipeline passes to `set_timesteps`: `linspace(1, 1/n, n)`
+        as numpy makes it in float64 (FLUX, Qwen-Image); a pipeline that builds it otherwise overrides this."""
+        import numpy as np
+
+        return np.linspace(1.0, 1.0 / num_steps, num_steps)
 
     def shift_mu(self, image_seq_len: int, num_steps: int, config: Mapping[str, Any]) -> float:
         """The dynamic shift `mu` the pipeline passes to its scheduler for `image_seq_len` image tokens and
@@ -216,7 +221,6 @@ class TrainPipelineConfig(SglangAdapter):
         A family that overrides `schedule` overrides this too (`miles.sampling.grid` refuses a family that does not).
         The base class sets a FlowMatchEuler scheduler as `schedule` does; other scheduler classes raise ValueError.
         """
-        import numpy as np
 
         config = live_scheduler_config(scheduler_config)
         if config["_class_name"] != FLOW_MATCH_EULER:
@@ -228,7 +232,7 @@ class TrainPipelineConfig(SglangAdapter):
             config["shift"] = float(flow_shift)
             if config.get("use_dynamic_shifting", False):
                 config["use_dynamic_shifting"] = False
-        sigmas = np.linspace(1.0, 1.0 / num_steps, num_steps) if self.pipeline_sigmas else None
+        sigmas = self.sigma_grid(num_steps) if self.pipeline_sigmas else None
         mu = None
         if config.get("use_dynamic_shifting", False):
             mu = self.shift_mu(resolve_token_count(token_count, self.name), num_steps, config)

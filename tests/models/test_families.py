@@ -27,6 +27,7 @@ def test_registered_keys():
         "flux",
         "flux_kontext",
         "flux2",
+        "z_image",
         "wan2_2",
         "wan2_2_i2v",
         "wan2_2_ti2v",
@@ -47,6 +48,7 @@ def test_registered_keys():
         "wan2_2",
         "wan2_2_i2v",
         "wan2_2_ti2v",
+        "z_image",
     )
 
 
@@ -75,6 +77,8 @@ def test_registered_keys():
         ("black-forest-labs/FLUX.2-klein-4B", "flux2"),
         ("black-forest-labs/FLUX.2-klein-base-9B", "flux2"),
         ("tiny-flux2-klein", "flux2"),
+        ("Tongyi-MAI/Z-Image-Turbo", "z_image"),
+        ("tiny-z-image", "z_image"),
         ("Qwen/Qwen-Image-Edit-2511", "qwen_image_edit"),
         ("tiny-qwen-image-edit", "qwen_image_edit"),
         ("Lightricks/LTX-2", "ltx"),
@@ -209,8 +213,8 @@ def test_unknown_family_suggests():
     msg = str(info.value)
     assert "--diffusion-model-family" in msg and "did you mean 'sd3'" in msg
     assert (
-        "cosmos3, flux, flux2, flux_kontext, ltx, qwen_image, qwen_image_edit, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v"
-        in msg
+        "cosmos3, flux, flux2, flux_kontext, ltx, qwen_image, qwen_image_edit, sd3, wan2_2, wan2_2_i2v, "
+        "wan2_2_ti2v, z_image" in msg
     )
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"env MILES_DIFFUSION_MODEL_FAMILY: unknown model family 'sdxl'"):
@@ -238,7 +242,8 @@ def test_untrainable_family_is_a_config_error(user_module):
     msg = str(info.value)
     assert msg.startswith(where) and "its forward is not written yet" in msg and "\n" not in msg
     trainable = (
-        "cosmos3, flux, flux2, flux_kontext, ltx, qwen_image, qwen_image_edit, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v"
+        "cosmos3, flux, flux2, flux_kontext, ltx, qwen_image, qwen_image_edit, sd3, wan2_2, wan2_2_i2v, "
+        "wan2_2_ti2v, z_image"
     )
     assert f"trainable families: {trainable}" in msg
     assert (

@@ -1,4 +1,4 @@
-"""flux, flux2 (klein) and qwen_image through the in-process engine, against diffusers' own pipelines.
+"""flux, flux2 (klein), z_image and qwen_image through the in-process engine, against diffusers' own pipelines.
 
 For each family: with noise level 0 the engine's loop (the family's schedule, guidance, packing inside
 `forward_velocity`) reproduces `FluxPipeline` / `QwenImagePipeline` to 1e-5, and recomputing a recorded
@@ -32,6 +32,8 @@ CASES = {
     ),
     # klein base: CFG as two forwards with the empty prompt as the negative (the pipeline's, always)
     "flux2": ("tiny_flux2_klein_dir", {"diffusion_guidance_scale": 4.0}, {"guidance_scale": 4.0}),
+    # Z-Image: CFG for any scale > 0, pos + s (pos - neg), the empty prompt as the negative
+    "z_image": ("tiny_z_image_dir", {"diffusion_guidance_scale": 4.0}, {"guidance_scale": 4.0}),
     "qwen_image": (
         "tiny_qwen_image_dir",
         {"diffusion_true_cfg_scale": 4.0},
@@ -49,6 +51,8 @@ def _pipeline_latents(name: str, pipe, latents: torch.Tensor) -> torch.Tensor:
         x = patchify(latents.float())
         mean, std = bn_stats(pipe.vae, x)
         return (x - mean) / std
+    if name == "z_image":  # its latents are natural [B, C, h, w]
+        return latents.float()
     from miles.models.flux.config import unpack_latents
 
     return unpack_latents(latents.float(), 8, 8)
@@ -98,7 +102,8 @@ def _request(engine: DiffusersEngine, noise_level: float, sde_steps: list[list[i
         sde_type="sde",
         height=64,
         width=64,
-        negative_prompt=None if engine.family.name == "flux2" else " ",  # klein's pipeline always negates ""
+        # klein's and Z-Image's pipelines negate "" (klein always)
+        negative_prompt=None if engine.family.name in ("flux2", "z_image") else " ",
         true_cfg_scale=args.diffusion_true_cfg_scale,
     )
 
