@@ -1,4 +1,4 @@
-"""flux, qwen_image, cosmos3, wan2_2 and ltx through the jobs' CLI: `rollout-only`, `replay` of its file, and
+"""flux, flux2 (klein), z_image, qwen_image, cosmos3, wan2_2 and ltx through the jobs' CLI: `rollout-only`, `replay` of its file, and
 `train dmd2` (refused with one line for ltx).
 
 The trainer-level checks (recompute, LoRA sync, export, NFT and SFT steps) are in
@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 FAMILIES = {
     "flux": "tiny_flux_dir",
+    "flux2": "tiny_flux2_klein_dir",
+    "z_image": "tiny_z_image_dir",
     "qwen_image": "tiny_qwen_image_dir",
     "cosmos3": "tiny_cosmos3_dir",
     "wan2_2": "tiny_wan2_2_dir",
@@ -29,6 +31,8 @@ FAMILIES = {
 }
 RECIPES = {
     "flux": "tiny-flux-digits-grpo",
+    "flux2": "tiny-flux2-klein-digits-grpo",
+    "z_image": "tiny-z-image-digits-grpo",
     "qwen_image": "tiny-qwen-image-digits-grpo",
     "cosmos3": "tiny-cosmos3-digits-grpo",
     "wan2_2": "tiny-wan2_2-digits-grpo",
