@@ -27,6 +27,8 @@ GPU_RECIPES = {
     "sd3-pickscore-nft",
     "sd35-4step",
     "flux-pickscore-grpo",
+    "flux2-klein-pickscore-grpo",
+    "z-image-pickscore-grpo",
     "flux-kontext-edit-grpo",
     "qwen-image-pickscore-grpo",
     "qwen-image-edit-grpo",

@@ -1,5 +1,5 @@
-"""flux, flux2 (klein), z_image, qwen_image, cosmos3, wan2_2 and ltx through the jobs' CLI: `rollout-only`, `replay` of its file, and
-`train dmd2` (refused with one line for ltx).
+"""flux, flux2 (klein), z_image, qwen_image, cosmos3, wan2_2 and ltx through the jobs' CLI: `rollout-only`,
+`replay` of its file, and `train dmd2` (refused with one line for ltx).
 
 The trainer-level checks (recompute, LoRA sync, export, NFT and SFT steps) are in
 tests/training/test_family_trainer.py; here each job runs as a user runs it (Ray, trainer groups, files).

@@ -17,6 +17,7 @@ GPU_RECIPES = {
     "cosmos3-pickscore-t2i": "nvidia/Cosmos3-Nano",
     "flux-kontext-edit-grpo": "black-forest-labs/FLUX.1-Kontext-dev",
     "flux-pickscore-grpo": "black-forest-labs/FLUX.1-dev",
+    "flux2-klein-pickscore-grpo": "black-forest-labs/FLUX.2-klein-base-4B",
     "ltx23-pickscore-grpo": "Lightricks/LTX-2",
     "qwen-image-edit-grpo": "Qwen/Qwen-Image-Edit-2511",
     "qwen-image-pickscore-grpo": "Qwen/Qwen-Image",
@@ -26,6 +27,7 @@ GPU_RECIPES = {
     "wan22-i2v-grpo": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
     "wan22-lora-sft": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
     "wan22-pickscore-grpo": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+    "z-image-pickscore-grpo": "Tongyi-MAI/Z-Image-Turbo",
 }
 # parameters per component, as built on meta from the shipped configs, against published sizes (SOURCES.md)
 PUBLISHED = {
@@ -48,6 +50,10 @@ PUBLISHED = {
         "text_encoder_2": 4_762_310_656,
         "vae": 83_819_683,
     },
+    # klein's "4B" transformer, Qwen3-4B (tied embeddings, counted once), FLUX.2's VAE (its SOURCES.md)
+    "FLUX.2-klein-base-4B": {"transformer": 3_875_544_576, "text_encoder": 4_022_468_096, "vae": 84_046_115},
+    # the "6B" single-stream DiT, Qwen3-4B as a Qwen3Model, FLUX.1's VAE (its SOURCES.md)
+    "Z-Image-Turbo": {"transformer": 6_154_908_736, "text_encoder": 4_022_468_096, "vae": 83_819_683},
     "Qwen-Image": {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531},
     "Qwen-Image-Edit-2511": {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531},
     "Wan2.2-T2V-A14B-Diffusers": {

@@ -42,6 +42,12 @@ CASES = {
 }
 
 
+# the batching tests run the shared engine code; the families added last run them in `extended` only (their
+# noise-0, recompute and schedule checks are in the default suite)
+LATER = ("flux2", "z_image")
+BATCHING_CASES = [pytest.param(n, marks=pytest.mark.extended) if n in LATER else n for n in sorted(CASES)]
+
+
 def _pipeline_latents(name: str, pipe, latents: torch.Tensor) -> torch.Tensor:
     """The pipeline's `output_type="latent"` result in the engine's layout: FLUX.1 / Qwen-Image return the packed
     tokens of an 8x8 latent; klein returns the VAE latent, which the engine holds patchified and normalised."""
@@ -233,6 +239,7 @@ def test_qwen_text_of_different_lengths_is_padded_and_masked(tiny_qwen_image_dir
             assert (together[b] - alone[0]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("case", BATCHING_CASES, indirect=True)
 def test_evaluation_requests_of_different_prompts_batch_to_their_lone_outputs(case) -> None:
     """Evaluation requests (ODE) of prompts of different text lengths run as one batch when the microgroup
     size allows; each image equals the one its request makes alone."""
@@ -261,6 +268,7 @@ def test_evaluation_requests_of_different_prompts_batch_to_their_lone_outputs(ca
         assert a.conditions is None and b.trajectory is None
 
 
+@pytest.mark.parametrize("case", BATCHING_CASES, indirect=True)
 def test_training_microgroups_batch_to_their_lone_trajectories(case) -> None:
     """--rollout-engine-batch-size: training microgroups of different prompts (SDE, log-probs recorded) run as
     one forward batch; each sample's trajectory, log-probs, image and text conditions equal what its microgroup
