@@ -109,15 +109,23 @@ def text_ids(length: int, device: Any, dtype: Any) -> Any:
 
 
 def is_distilled(checkpoint: Any) -> bool:
-    """`is_distilled` of a local checkpoint's `model_index.json` (False where there is none: the pipeline's
-    default)."""
-    index = Path(str(checkpoint)) / "model_index.json"
-    if not index.is_file():
-        return False
-    try:
-        return bool(json.loads(index.read_text()).get("is_distilled", False))
-    except (OSError, ValueError):
-        return False
+    """Whether `checkpoint` is a distilled klein: `is_distilled` of its `model_index.json` (a local folder, or the
+    Hugging Face cache's snapshot of a hub id), else BFL's naming (`FLUX.2-klein-4B` / `-9B` are the distilled
+    models, `FLUX.2-klein-base-*` the base ones); any other name counts as base (the pipeline's default; the tiny
+    build is a base model)."""
+    from miles.models.hub_cache import cached_snapshot, looks_like_hub_id
+
+    folder = Path(str(checkpoint))
+    if not folder.is_dir() and looks_like_hub_id(str(checkpoint)):
+        folder = cached_snapshot(str(checkpoint)) or folder
+    index = folder / "model_index.json"
+    if index.is_file():
+        try:
+            return bool(json.loads(index.read_text()).get("is_distilled", False))
+        except (OSError, ValueError):
+            return False
+    name = folder.name.lower()
+    return name.startswith("flux.2-klein-") and "base" not in name
 
 
 @register_train_pipeline_config("flux2")
@@ -154,8 +162,9 @@ class Flux2TrainPipelineConfig(TrainPipelineConfig):
         scale = float(res["diffusion_guidance_scale"])
         if checkpoint is not None and scale > 1.0 and is_distilled(checkpoint):
             res.fail(
-                f"{res.show('diffusion_guidance_scale')}: {checkpoint} is a distilled FLUX.2-klein (is_distilled in "
-                "its model_index.json), which takes no guidance; set 1, or train a base klein with CFG"
+                f"{res.show('diffusion_guidance_scale')}: {checkpoint} is a distilled FLUX.2-klein (its "
+                "model_index.json's is_distilled, or BFL's name without -base), which takes no guidance; set 1, or "
+                "train a base klein (FLUX.2-klein-base-4B / -9B) with CFG"
             )
 
     # ---- schedule --------------------------------------------------------------------------------
