@@ -75,7 +75,7 @@ def test_cfg_on_a_distilled_klein_is_refused(tmp_path: Path) -> None:
     base = _klein_dir(tmp_path, "FLUX.2-klein-base-4B", distilled=False)
     assert resolve("rl", cli={**BASE, "hf_checkpoint": str(base)}).args.diffusion_guidance_scale == 4.0
     # a hub id that is not in the cache: BFL's names say which is which
-    with pytest.raises(ConfigError, match="distilled FLUX.2-klein"):
+    with pytest.raises(ConfigError, match=r"distilled FLUX\.2-klein"):
         resolve("rl", cli={**BASE, "hf_checkpoint": "black-forest-labs/FLUX.2-klein-9B"})
     hub_base = resolve("rl", cli={**BASE, "hf_checkpoint": "black-forest-labs/FLUX.2-klein-base-9B"}).args
     assert hub_base.diffusion_model_family == "flux2"
