@@ -37,7 +37,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-sd3-digits-sft": 1000,  # optimizer steps at batch 64
     "tiny-sd3-digits-sft-short": 525,
     "tiny-flux-digits-sft-short": 100,  # digit reward 0.33, where its SFT curve turns steep (0.75 at 125)
-    "tiny-flux2-klein-digits-sft-short": 100,  # FLUX.2-klein base layout (placeholder until its SFT curve is read)
+    "tiny-flux2-klein-digits-sft-short": 300,  # digit reward 0.25, where its SFT curve turns steep (0.61 at 400)
     "tiny-z-image-digits-sft-short": 100,  # Z-Image layout (placeholder until its SFT curve is read)
     "tiny-qwen-image-digits-sft-short": 150,  # digit reward 0.35 (0.21 at 100, 0.48 at 200)
     "tiny-wan2_2-digits-sft-short": 100,  # eval reward 0.32 (accuracy 0.34; 0.73 at 200, 0.93 at 300)
@@ -45,7 +45,7 @@ SFT_TEACHERS: dict[str, int] = {
     "tiny-ltx2-digits-sft-short": 1000,  # video stream only (the ltx patch group)
     "tiny-flux-kontext-edit-sft-short": 500,  # the digits edit task (digits-edit:sft), cosine over the 500 steps
     "tiny-qwen-image-edit-sft-short": 500,  # the digits edit task, as tiny-flux-kontext's (not measured yet)
-    "tiny-wan2_2-i2v-digits-sft-short": 100,  # the digits I2V task: eval digit_i2v 0.18 on 40 test prompts (10 steps)
+    "tiny-wan2_2-i2v-digits-sft-short": 150,  # the digits I2V task: eval digit_i2v 0.34 on 40 test prompts (10 steps)
     "tiny-wan2_2-ti2v-digits-sft-short": 100,  # the digits I2V task on the TI2V layout (not measured yet)
 }
 BUILTIN_MODELS = (*TINY_BUILDERS, *SFT_TEACHERS)
