@@ -6,7 +6,7 @@ Session fixtures (built once, reused by every test directory):
                        `ensure_checkpoint("tiny-sd3")` finds it too (treat it as read-only)
   tiny_sd3_pipeline    StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir) (read-only; copy to mutate)
   tiny_flux_dir / tiny_qwen_image_dir / tiny_wan2_2_dir / tiny_ltx2_dir   the other tiny families, built once
-  tiny_flux2_klein_dir / tiny_z_image_dir   tiny-flux2-klein / tiny-z-image with a 40-step VAE fit (their layout)
+  tiny_flux2_klein_dir / tiny_z_image_dir   tiny-flux2-klein / tiny-z-image with a 10-step VAE fit (their layout)
                        the same way (read-only)
   digit_classifier     the checkpoint's digit classifier
   digits_split         the deterministic digits train/test split
@@ -101,25 +101,25 @@ def tiny_flux_kontext_dir(miles_session_home: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_flux2_klein_dir(miles_session_home: Path) -> Path:
-    """tiny-flux2-klein with a short VAE fit (40 steps): the engine and trainer tests need its layout (a base
+    """tiny-flux2-klein with a short VAE fit (10 steps): the engine and trainer tests need its layout (a base
     Flux2KleinPipeline over a 28-layer Qwen3), not its reconstructions; the full build is the recipes'."""
     from miles.builtin.tiny.flux2 import build_tiny_flux2_klein
     from miles.models.tiny.metadata import current_design
 
-    path = miles_session_home / "test-builds" / f"tiny-flux2-klein-design{current_design('tiny-flux2-klein')}-vae40"
+    path = miles_session_home / "test-builds" / f"tiny-flux2-klein-design{current_design('tiny-flux2-klein')}-vae10"
     if not (path / "model_index.json").is_file():
-        build_tiny_flux2_klein(path, progress=False, vae_steps=40)
+        build_tiny_flux2_klein(path, progress=False, vae_steps=10)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_z_image_dir(miles_session_home: Path) -> Path:
-    """tiny-z-image with a short VAE fit (40 steps): its layout (a ZImagePipeline over a 4-layer Qwen3), not its
+    """tiny-z-image with a short VAE fit (10 steps): its layout (a ZImagePipeline over a 4-layer Qwen3), not its
     reconstructions; the full build is the recipes'."""
     from miles.builtin.tiny.z_image import build_tiny_z_image
     from miles.models.tiny.metadata import current_design
 
-    path = miles_session_home / "test-builds" / f"tiny-z-image-design{current_design('tiny-z-image')}-vae40"
+    path = miles_session_home / "test-builds" / X-design{current_design('tiny-z-image')}-vae40"
     if not (path / "model_index.json").is_file():
         build_tiny_z_image(path, progress=False, vae_steps=40)
     return path

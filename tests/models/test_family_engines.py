@@ -42,8 +42,8 @@ CASES = {
 }
 
 
-# the batching tests run the shared engine code; the families added last run them in `extended` only (their
-# noise-0, recompute and schedule checks are in the default suite)
+# the batching and recompute tests run the shared engine code; the families added last run them in `extended` only
+# (their noise-0 and schedule checks are in the default suite, their recompute through the trainer too)
 LATER = ("flux2", "z_image")
 BATCHING_CASES = [pytest.param(n, marks=pytest.mark.extended) if n in LATER else n for n in sorted(CASES)]
 
@@ -141,6 +141,9 @@ def test_noise_level_zero_reproduces_the_pipeline(case) -> None:
     assert (cond.negative is not None) == (cond.guidance_scale > 1.0)
 
 
+# the families added last: their engine's log-probs against the trainer's recompute are the default suite's
+# tests/training/test_family_trainer.py::test_frozen_recompute_equals_the_engine
+@pytest.mark.parametrize("case", BATCHING_CASES, indirect=True)
 def test_recorded_log_probs_are_reproduced_by_a_recompute(case) -> None:
     name, engine, _ = case
     sde_steps = [[0, 1, 2], [2, 3], [4]]
