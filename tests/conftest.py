@@ -119,9 +119,9 @@ def tiny_z_image_dir(miles_session_home: Path) -> Path:
     from miles.builtin.tiny.z_image import build_tiny_z_image
     from miles.models.tiny.metadata import current_design
 
-    path = miles_session_home / "test-builds" / X-design{current_design('tiny-z-image')}-vae40"
+    path = miles_session_home / "test-builds" / f"tiny-z-image-design{current_design('tiny-z-image')}-vae10"
     if not (path / "model_index.json").is_file():
-        build_tiny_z_image(path, progress=False, vae_steps=40)
+        build_tiny_z_image(path, progress=False, vae_steps=10)
     return path
 
 
