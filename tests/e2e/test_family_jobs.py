@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from replay_helpers import LIVE_FLAGS, assert_train_metrics_agree, replay_flags
 
 from miles.io.metrics import read_metrics
 from miles.io.rollout_file import load_rollout
@@ -111,3 +112,28 @@ def test_train_dmd2(family, tmp_path: Path) -> None:
     assert rows[0]["train/x0_gen_mean_abs_diff"] <= 1e-5, name  # the student's x0: engine == trainer
     assert rows[-1]["eval/student_4step/num_samples"] == 2
     assert (out / "checkpoint" / "transformer").is_dir()
+
+
+def _two_prompts(folder: Path) -> Path:
+    prompts = folder / "two.jsonl"
+    rows = (f'{{"input": "a handwritten digit {d}", "metadata": {{"label": {d}}}}}\n' for d in (3, 7))
+    prompts.write_text("".join(rows))
+    return prompts
+
+
+@pytest.mark.parametrize("name", ["flux2", "z_image"])
+def test_a_replayed_rollout_trains_as_the_live_one(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Two deterministic rollouts trained live (rollouts dumped), then the same two trainings from the dump with no
+    engine: the same `train/*` metrics (the families added last; the others' replays are the test above)."""
+    checkpoint = request.getfixturevalue(FAMILIES[name])
+    flags = ["--recipe", RECIPES[name], "--hf-checkpoint", str(checkpoint), *SMALL]
+    dump = str(tmp_path / "dump" / "{rollout_id}.pt")
+    live_out, replay_out = tmp_path / "live", tmp_path / "replay"
+    argv = ["train", "rl", *flags, *LIVE_FLAGS, "--save-debug-rollout-data", dump, "--skip-eval-before-train"]
+    argv += ["--eval-prompt-data", "two", str(_two_prompts(tmp_path)), "--output-dir", str(live_out)]
+    assert main(argv) == 0
+    live = read_metrics(live_out / "metrics.jsonl")
+    assert all(r["train/grad_norm"] > 0 for r in live if "train/loss" in r)
+    argv = ["train", "rl", *flags, *LIVE_FLAGS, *replay_flags(dump), "--output-dir", str(replay_out)]
+    assert main(argv) == 0
+    assert_train_metrics_agree(read_metrics(replay_out / "metrics.jsonl"), live)
