@@ -74,6 +74,7 @@ def test_the_gpu_recipes() -> None:
         "cosmos3-pickscore-t2i",
         "flux-kontext-edit-grpo",
         "flux-pickscore-grpo",
+        "flux2-klein-pickscore-grpo",
         "ltx23-pickscore-grpo",
         "qwen-image-edit-grpo",
         "qwen-image-pickscore-grpo",
@@ -83,6 +84,7 @@ def test_the_gpu_recipes() -> None:
         "wan22-i2v-grpo",
         "wan22-lora-sft",
         "wan22-pickscore-grpo",
+        "z-image-pickscore-grpo",
     ]
     for name in GPU_RECIPES:  # each names the curve to expect
         assert load_config_file(RECIPES[name]).expect

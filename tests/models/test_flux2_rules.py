@@ -88,3 +88,17 @@ def test_sglang_is_refused_with_one_line() -> None:
         resolve("rl", cli=cli)
     message = str(err.value)
     assert "\n" not in message and "FLUX.2-klein" in message and "in-process engine" in message
+
+
+def test_rope_ids_are_exact_integers_at_any_length() -> None:
+    """Klein's text ids run to 511: the forward builds them (and the image ids) as int64, as the pipeline does; in
+    bf16, the forward dtype of a real run, 257 would become 256."""
+    import torch
+
+    from miles.models.flux2.config import ids_grid, text_ids
+
+    ids = text_ids(512, "cpu")
+    assert ids.dtype == torch.long and torch.equal(ids[:, 3], torch.arange(512)) and not ids[:, :3].any()
+    grid = ids_grid(64, 48, "cpu")
+    assert grid.dtype == torch.long and grid.shape == (64 * 48, 4)
+    assert grid[-1].tolist() == [0, 63, 47, 0] and grid[48].tolist() == [0, 1, 0, 0]

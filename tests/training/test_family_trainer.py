@@ -128,7 +128,7 @@ def test_lora_step_sync_and_export(family_rollout, tmp_path: Path) -> None:
         pipe.transformer.fuse_lora()
         pipe.transformer.unload_lora()
     fused = pipe.transformer.state_dict()
-    key = next(k for k in merged if k.endswith((".attn.to_q.weight", ".attention.to_q.weight")))
+    key = next(k for k in merged if k.endswith(("attn.to_q.weight", "attention.to_q.weight")))
     assert torch.allclose(fused[key].float(), merged[key].float(), atol=1e-5)
 
     exported = trainer.export_pipeline(str(tmp_path / "pipeline"))

@@ -89,23 +89,24 @@ def bn_stats(vae: Any, like: Any) -> tuple[Any, Any]:
     return mean, std
 
 
-def ids_grid(height: int, width: int, device: Any, dtype: Any) -> Any:
-    """RoPE ids of a generated image's tokens: [h*w, 4] = (0, row, col, 0)."""
+def ids_grid(height: int, width: int, device: Any) -> Any:
+    """RoPE ids of a generated image's tokens: [h*w, 4] = (0, row, col, 0), int64 as the pipeline makes them (a bf16
+    id would round positions above 256)."""
     import torch
 
-    ids = torch.zeros(height, width, 4)
+    ids = torch.zeros(height, width, 4, dtype=torch.long)
     ids[..., 1] = torch.arange(height)[:, None]
     ids[..., 2] = torch.arange(width)[None, :]
-    return ids.reshape(-1, 4).to(device=device, dtype=dtype)
+    return ids.reshape(-1, 4).to(device)
 
 
-def text_ids(length: int, device: Any, dtype: Any) -> Any:
-    """RoPE ids of the text tokens: [L, 4] = (0, 0, 0, l)."""
+def text_ids(length: int, device: Any) -> Any:
+    """RoPE ids of the text tokens: [L, 4] = (0, 0, 0, l), int64 (512 text positions are not exact in bf16)."""
     import torch
 
-    ids = torch.zeros(length, 4)
+    ids = torch.zeros(length, 4, dtype=torch.long)
     ids[:, 3] = torch.arange(length)
-    return ids.to(device=device, dtype=dtype)
+    return ids.to(device)
 
 
 def is_distilled(checkpoint: Any) -> bool:
@@ -248,8 +249,8 @@ class Flux2TrainPipelineConfig(TrainPipelineConfig):
             timestep=timestep.to(latents.dtype) / 1000,
             guidance=None,
             encoder_hidden_states=text,
-            txt_ids=text_ids(text.shape[1], text.device, text.dtype)[None].expand(text.shape[0], -1, -1),
-            img_ids=ids_grid(h, w, latents.device, latents.dtype)[None].expand(latents.shape[0], -1, -1),
+            txt_ids=text_ids(text.shape[1], text.device)[None].expand(text.shape[0], -1, -1),
+            img_ids=ids_grid(h, w, latents.device)[None].expand(latents.shape[0], -1, -1),
             return_dict=False,
         )[0]
         return from_tokens(out[:, : h * w], h, w)
