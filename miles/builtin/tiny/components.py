@@ -65,6 +65,44 @@ def make_clip_text_encoder(seed: int, name: str, tok: dict[str, int]) -> Any:
     return CLIPTextModelWithProjection(config).eval()
 
 
+# a Qwen chat layout's template: one turn per message, then the assistant's header; under `enable_thinking=False`
+# (FLUX.2-klein's call) the empty think block Qwen3's own template writes
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def qwen3_chat_tokenizer(layout: str) -> Any:
+    """The offline byte-level BPE Qwen tokenizer learned from the digit prompts in `layout` (a chat turn with `{}`
+    for the prompt), with Qwen3's chat template (tiny-flux2-klein, tiny-z-image)."""
+    from miles.models.qwen_image.tokenizer import build_qwen_tokenizer
+
+    tokenizer = build_qwen_tokenizer(layout)
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen3_text_config(tokenizer: Any, hidden: int, layers: int, **extra: Any) -> Any:
+    """A tiny Qwen3 text model's config: `layers` layers `hidden` wide, 2 query heads and 1 key-value head of 16."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
+
+
 def make_t5_encoder(seed: int, tok: dict[str, int]) -> Any:
     from transformers import T5Config, T5EncoderModel
 

@@ -46,11 +46,6 @@ AXES_DIMS_ROPE = (4, 4, 4, 4)  # (T, H, W, L); must sum to ATTENTION_HEAD_DIM
 PATCHIFIED_CHANNELS = C.LATENT_CHANNELS * 4
 # klein's user turn and generation prompt with an empty think block (Qwen3's template, enable_thinking=False)
 PROMPT_LAYOUT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
 # chat tokens of a digit prompt: 18 ("a handwritten digit 3" in the layout above), the longest corpus prompt 20,
 # the empty negative 13; rounded up
 MAX_SEQUENCE_LENGTH = 24
@@ -68,29 +63,13 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 
 def build_tokenizer() -> Any:
     """The offline Qwen tokenizer learned from the digit prompts in klein's chat layout, with its chat template."""
-    from miles.models.qwen_image.tokenizer import build_qwen_tokenizer
-
-    tokenizer = build_qwen_tokenizer(PROMPT_LAYOUT)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return C.qwen3_chat_tokenizer(PROMPT_LAYOUT)
 
 
 def make_text_encoder(seed: int, tokenizer: Any) -> Any:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=TEXT_HIDDEN,
-        intermediate_size=2 * TEXT_HIDDEN,
-        num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
+    config = C.qwen3_text_config(tokenizer, TEXT_HIDDEN, TEXT_LAYERS, tie_word_embeddings=True)
     seeded(seed, "text_encoder", SEED_OFFSETS)
     return Qwen3ForCausalLM(config).eval()
 

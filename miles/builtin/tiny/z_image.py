@@ -27,7 +27,6 @@ from typing import Any
 from miles.builtin.tiny import components as C
 from miles.builtin.tiny.build import BuildReport
 from miles.builtin.tiny.components import seeded
-from miles.builtin.tiny.flux2 import CHAT_TEMPLATE
 from miles.builtin.tiny.frame import DigitsImageBuild
 from miles.builtin.tiny.vae_fit import VAE_STEPS
 
@@ -52,28 +51,13 @@ SCHEDULER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0, "
 
 
 def build_tokenizer() -> Any:
-    from miles.models.qwen_image.tokenizer import build_qwen_tokenizer
-
-    tokenizer = build_qwen_tokenizer(PROMPT_LAYOUT)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return C.qwen3_chat_tokenizer(PROMPT_LAYOUT)
 
 
 def make_text_encoder(seed: int, tokenizer: Any) -> Any:
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=TEXT_HIDDEN,
-        intermediate_size=2 * TEXT_HIDDEN,
-        num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = C.qwen3_text_config(tokenizer, TEXT_HIDDEN, TEXT_LAYERS)
     seeded(seed, "text_encoder", SEED_OFFSETS)
     return Qwen3Model(config).eval()
 

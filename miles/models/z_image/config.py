@@ -15,11 +15,11 @@ Torch-free at import. What sets it apart, all inside this config:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from miles.models.families import register_train_pipeline_config
 from miles.models.pipeline_config import TrainPipelineConfig
+from miles.models.qwen_image.config import QwenImageTrainPipelineConfig
 
 # the attention and SwiGLU linears of every block (the main layers and both refiners)
 Z_IMAGE_LORA_TARGET_MODULES: tuple[str, ...] = (
@@ -125,29 +125,9 @@ class ZImageTrainPipelineConfig(TrainPipelineConfig):
         negative = EMPTY_NEGATIVE if negative_prompt is None else negative_prompt
         return positive, encode([negative] * len(prompts))
 
-    def collate_conditions(self, rows: list[Any]) -> dict[str, Any]:
-        """Pad each row's text states `[L, D]` to the longest L with zeros, the mask with zeros."""
-        import torch
-
-        longest = max(int(r["encoder_hidden_states"].shape[0]) for r in rows)
-
-        def pad(t: Any) -> Any:
-            extra = longest - int(t.shape[0])
-            return t if extra == 0 else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
-
-        return {
-            "encoder_hidden_states": torch.stack([pad(r["encoder_hidden_states"]) for r in rows]),
-            "encoder_hidden_states_mask": torch.stack([pad(r["encoder_hidden_states_mask"]) for r in rows]),
-        }
-
-    def condition_row(self, batch: Mapping[str, Any], row: int) -> dict[str, Any]:
-        """The row without its padding (the mask's ones, padded on the right)."""
-        mask = batch["encoder_hidden_states_mask"][row]
-        length = int(mask.sum())
-        return {
-            "encoder_hidden_states": batch["encoder_hidden_states"][row, :length],
-            "encoder_hidden_states_mask": mask[:length],
-        }
+    # rows of different text lengths: padded with a zero mask, and cut back per row, as qwen_image's
+    collate_conditions = QwenImageTrainPipelineConfig.collate_conditions
+    condition_row = QwenImageTrainPipelineConfig.condition_row
 
     # ---- the forward -------------------------------------------------------------------------------
     def forward_velocity(self, transformer: Any, latents: Any, timestep: Any, cond: Any) -> Any:
